@@ -1,0 +1,55 @@
+"""Static buffers shared by every graph: KV caches and per-slot decoding state.
+
+Everything is indexed by cache slot. The last slot is scratch: padded rows of a bucket read and write
+only there, so they never touch a live request. Graphs gather what they need by slot and scatter
+results back, so the runtime passes only slots, lengths and noise between steps.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ..models.deepseek_v3 import DeepseekV3
+
+
+class StaticState(nn.Module):
+    """Buffers (not inputs) so compiled graphs and CUDA graphs see fixed addresses."""
+
+    target_cache: Tensor  # [layers, slots + 1, max_seq_len, kv_lora_rank + rope_dim]
+    mtp_cache: Tensor  # [mtp layers, slots + 1, max_seq_len, ...] (empty without MTP)
+    last_token: Tensor  # [slots + 1] the last committed token, not yet through the target
+    drafts: Tensor  # [slots + 1, K] d_1..d_K of the coming verify
+    draft_probs: Tensor  # [slots + 1, K, V] q_1..q_K the drafts were sampled from
+    mtp_hidden: Tensor  # [slots + 1, H] M's hidden at the last position it ran
+    temperature: Tensor  # [slots + 1] per-request sampling parameters, set at admission
+    top_k: Tensor
+    top_p: Tensor
+
+    def __init__(self, model: DeepseekV3, num_slots: int, max_seq_len: int, max_depth: int) -> None:
+        super().__init__()
+        cfg = model.cfg
+        n = num_slots + 1
+        dev = model.lm_head.weight.device
+        mtp_layers = model.num_mtp_layers if max_depth > 0 else 0
+        self.num_slots = num_slots
+        self.max_seq_len = max_seq_len
+        self.register_buffer("target_cache", model.new_cache(cfg.num_hidden_layers, n, max_seq_len))
+        self.register_buffer("mtp_cache", model.new_cache(mtp_layers, n, max_seq_len))
+        self.register_buffer("last_token", torch.zeros(n, dtype=torch.long, device=dev))
+        depth = max(max_depth, 1)
+        self.register_buffer("drafts", torch.zeros(n, depth, dtype=torch.long, device=dev))
+        self.register_buffer("draft_probs", torch.zeros(n, depth if max_depth else 0, cfg.vocab_size, device=dev))
+        self.register_buffer("mtp_hidden", torch.zeros(n, cfg.hidden_size, dtype=model.lm_head.weight.dtype, device=dev))
+        self.register_buffer("temperature", torch.zeros(n, device=dev))
+        self.register_buffer("top_k", torch.zeros(n, dtype=torch.long, device=dev))
+        self.register_buffer("top_p", torch.ones(n, device=dev))
+
+    @property
+    def scratch_slot(self) -> int:
+        return self.num_slots
+
+    def set_sampling(self, slot: int, temperature: float, top_k: int, top_p: float) -> None:
+        self.temperature[slot] = temperature
+        self.top_k[slot] = top_k
+        self.top_p[slot] = top_p

@@ -1,0 +1,215 @@
+"""Load and write HF-layout DeepSeek-V3 checkpoints (config.json + safetensors, optionally sharded).
+
+Loading builds the model on the meta device and assigns each tensor straight from the memory-mapped
+files, so at most one tensor is ever held twice (while it is converted). Released DeepSeek-V3 weights
+are FP8 e4m3 with 128x128 block scales (`*.weight_scale_inv`); they are dequantized here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+
+from .config import CheckpointError, ModelConfig
+from .deepseek_v3 import DeepseekV3, Rope
+
+INDEX_FILE = "model.safetensors.index.json"
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(gate_proj|up_proj|down_proj)$")
+# Released MTP layers carry copies of the shared embedding and head; the target's are used instead.
+_MTP_SHARED_COPIES = ("shared_head.head.weight", "embed_tokens.weight")
+
+
+@dataclass(frozen=True)
+class _Source:
+    file: Path
+    key: str
+
+
+def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", with_mtp: bool = True) -> DeepseekV3:
+    """Load a checkpoint directory. `with_mtp=False` skips the MTP layers (plain decoding)."""
+    path = Path(path)
+    cfg = ModelConfig.from_file(path / "config.json")
+    if with_mtp and cfg.num_nextn_predict_layers == 0:
+        raise CheckpointError(
+            f"{path / 'config.json'}: num_nextn_predict_layers is 0, so mtp_depth must be 0 (this checkpoint has no MTP layers)"
+        )
+    if not with_mtp:
+        cfg = replace(cfg, num_nextn_predict_layers=0)
+    sources = _index(path)
+    with torch.device("meta"):
+        model = DeepseekV3(cfg)
+    expected = _expected_keys(model)
+    _check_keys(path, cfg, sources, expected)
+    handles = _Handles()
+    try:
+        for name, param in list(model.state_dict(keep_vars=True).items()):
+            target_dtype = torch.float32 if name.endswith("e_score_correction_bias") else dtype
+            tensor = _materialize(name, param, expected[name], sources, handles, cfg, target_dtype, device)
+            _assign(model, name, tensor)
+    finally:
+        handles.close()
+    model.rope = Rope(cfg).to(device)
+    return model.eval()
+
+
+def _index(path: Path) -> dict[str, _Source]:
+    """checkpoint key -> (file, key), from the index when sharded, else from the files themselves."""
+    index = path / INDEX_FILE
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: unreadable index ({e})") from None
+        for file in set(weight_map.values()):
+            if not (path / file).exists():
+                raise CheckpointError(f"{index}: names shard {file!r}, which does not exist")
+        return {k: _Source(path / f, k) for k, f in weight_map.items()}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors files and no {INDEX_FILE}")
+    sources: dict[str, _Source] = {}
+    for file in files:
+        for key in _open(file).keys():
+            sources[key] = _Source(file, key)
+    return sources
+
+
+def _open(file: Path):
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{file}: unreadable or truncated safetensors file ({e})") from None
+
+
+class _Handles(dict):
+    """One open (memory-mapped) handle per shard for the duration of a load."""
+
+    def get_tensor(self, src: _Source) -> Tensor:
+        if src.file not in self:
+            self[src.file] = _open(src.file)
+        try:
+            return self[src.file].get_tensor(src.key)
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"{src.file}: cannot read key {src.key!r} ({e})") from None
+        except Exception as e:  # the shard's index says the key is here, but the file does not hold it
+            raise CheckpointError(f"{src.file}: missing key {src.key!r} ({e})") from None
+
+    def shape(self, src: _Source) -> list[int]:
+        if src.file not in self:
+            self[src.file] = _open(src.file)
+        return list(self[src.file].get_slice(src.key).get_shape())
+
+    def close(self) -> None:
+        self.clear()
+
+
+def _expected_keys(model: DeepseekV3) -> dict[str, list[str]]:
+    """model parameter name -> the checkpoint keys it is built from (several for stacked experts)."""
+    expected: dict[str, list[str]] = {}
+    for name, param in model.state_dict(keep_vars=True).items():
+        m = _EXPERT.match(name)
+        if m:
+            expected[name] = [f"{m.group(1)}.{e}.{m.group(2)}.weight" for e in range(param.shape[0])]
+        else:
+            expected[name] = [name]
+    return expected
+
+
+def _check_keys(path: Path, cfg: ModelConfig, sources: dict[str, _Source], expected: dict[str, list[str]]) -> None:
+    wanted = {k for keys in expected.values() for k in keys}
+    for key in sorted(wanted):
+        if key not in sources:
+            raise CheckpointError(f"{path}: missing key {key!r}")
+    first_mtp = cfg.num_hidden_layers
+    for key, src in sources.items():
+        if key in wanted or _allowed_extra(key, sources, cfg, first_mtp):
+            continue
+        raise CheckpointError(f"{src.file}: unexpected key {key!r}")
+
+
+def _allowed_extra(key: str, sources: dict[str, _Source], cfg: ModelConfig, first_mtp: int) -> bool:
+    if key.endswith("_scale_inv"):
+        return key[: -len("_scale_inv")] in sources
+    m = re.match(r"^model\.layers\.(\d+)\.(.*)$", key)
+    if m and int(m.group(1)) >= first_mtp:
+        layer = int(m.group(1)) - first_mtp
+        # MTP layers beyond the ones served (mtp_depth 0) are skipped, as are their shared copies.
+        return layer >= cfg.num_nextn_predict_layers or m.group(2) in _MTP_SHARED_COPIES
+    return False
+
+
+def _materialize(name: str, param: Tensor, keys: list[str], sources: dict[str, _Source], handles: _Handles, cfg: ModelConfig, dtype: torch.dtype, device) -> Tensor:
+    shape = list(param.shape[1:]) if len(keys) > 1 else list(param.shape)
+    for key in keys:
+        got = handles.shape(sources[key])
+        if got != shape:
+            raise CheckpointError(f"{sources[key].file}: key {key!r} has shape {got}, expected {shape}")
+    if len(keys) == 1:
+        return _read(keys[0], sources, handles, cfg).to(device=device, dtype=dtype)
+    out = torch.empty(param.shape, dtype=dtype, device=device)
+    for e, key in enumerate(keys):
+        out[e].copy_(_read(key, sources, handles, cfg))
+    return out
+
+
+def _read(key: str, sources: dict[str, _Source], handles: _Handles, cfg: ModelConfig) -> Tensor:
+    tensor = handles.get_tensor(sources[key])
+    if tensor.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return tensor
+    scale_key = key + "_scale_inv"
+    if scale_key not in sources:
+        raise CheckpointError(f"{sources[key].file}: FP8 key {key!r} has no {scale_key!r}")
+    return dequantize_fp8(tensor, handles.get_tensor(sources[scale_key]), cfg.fp8_block_size or (128, 128), sources[scale_key])
+
+
+def dequantize_fp8(weight: Tensor, scale_inv: Tensor, block: tuple[int, int], where: object = "") -> Tensor:
+    """Block-scaled FP8 -> float32: every [block x block] tile is multiplied by its scale."""
+    rows, cols = weight.shape
+    br, bc = block
+    want = [-(-rows // br), -(-cols // bc)]
+    if list(scale_inv.shape) != want:
+        raise CheckpointError(f"{getattr(where, 'file', where)}: scale {getattr(where, 'key', '')!r} has shape {list(scale_inv.shape)}, expected {want}")
+    scale = scale_inv.float().repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
+    return weight.float() * scale
+
+
+def _assign(model: DeepseekV3, name: str, tensor: Tensor) -> None:
+    module_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    if attr in module._buffers:
+        module._buffers[attr] = tensor
+    else:
+        module._parameters[attr] = torch.nn.Parameter(tensor, requires_grad=False)
+
+
+def save_checkpoint(model: DeepseekV3, config: dict, path: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """Write `model` in the DeepSeek-V3 HF layout (per-expert keys, MTP layers after the target's).
+
+    `config` is the HF config.json dict the model was built from. The MTP layers get the shared-head
+    and embedding copies that released checkpoints carry."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        m = _EXPERT.match(name)
+        keep_fp32 = name.endswith("e_score_correction_bias")
+        t = tensor if dtype is None or keep_fp32 else tensor.to(dtype)
+        if m:
+            for e in range(t.shape[0]):
+                tensors[f"{m.group(1)}.{e}.{m.group(2)}.weight"] = t[e].contiguous()
+        else:
+            tensors[name] = t.contiguous()
+    first = model.cfg.num_hidden_layers
+    for i in range(model.cfg.num_nextn_predict_layers):
+        tensors[f"model.layers.{first + i}.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+        tensors[f"model.layers.{first + i}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return path

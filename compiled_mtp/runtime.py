@@ -1,0 +1,323 @@
+"""Runtime: requests, batching, sampling parameters, stop rules and statistics.
+
+The runtime does no per-token tensor work: each decode step it builds three small integer/noise
+tensors (slots, sequence lengths, uniforms), replays the graphs of key (B, K) and reads back the
+accepted counts and committed tokens.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import torch
+
+from .capture.compiler import CompiledGraphs, key_name
+from .graphs.state import StaticState
+from .models.checkpoint import load_model
+from .models.deepseek_v3 import DeepseekV3
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling and stopping. temperature 0 is greedy."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass
+class RequestOutput:
+    """A finished (or, from `step`, running) request."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length"
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """Tokens a request gained in one `step()`; `output` is the whole result once it finished."""
+
+    request_id: int
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    output: RequestOutput | None = None
+
+
+@dataclass
+class _Request:
+    out: RequestOutput
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    generator: torch.Generator | None
+    slot: int = -1
+    seq_len: int = 0  # committed tokens, prompt included
+
+
+@dataclass
+class _Stats:
+    steps: int = 0
+    committed: int = 0  # tokens emitted by decode steps
+    request_steps: int = 0
+    proposed: list[int] = field(default_factory=list)  # per draft position
+    accepted: list[int] = field(default_factory=list)
+
+    def record(self, depth: int, emitted: int, accepted: int) -> None:
+        grow = depth - len(self.proposed)
+        if grow > 0:
+            self.proposed += [0] * grow
+            self.accepted += [0] * grow
+        self.request_steps += 1
+        self.committed += emitted
+        for j in range(depth):
+            self.proposed[j] += 1
+            self.accepted[j] += j < accepted
+
+
+class Runtime:
+    """MTP speculative decoding over captured graphs keyed by (batch bucket, depth)."""
+
+    def __init__(
+        self,
+        model: DeepseekV3,
+        *,
+        mtp_depth: int = 3,
+        mtp_depths: Sequence[int] | None = None,
+        batch_sizes: Sequence[int] = (1, 2, 4, 8),
+        max_seq_len: int = 2048,
+        compile_backend: str = "inductor",
+        prefill_chunk: int = 64,
+        seed: int = 0,
+    ) -> None:
+        depths = sorted(set(mtp_depths or ()) | {mtp_depth})
+        if depths[0] < 0:
+            raise ValueError(f"mtp_depth: must be >= 0, got {depths[0]}")
+        if depths[-1] > 0 and model.num_mtp_layers == 0:
+            raise ValueError(f"mtp_depth: {depths[-1]} needs MTP layers, but the model has none (use 0)")
+        buckets = sorted(set(batch_sizes))
+        if not buckets or buckets[0] < 1:
+            raise ValueError(f"batch_sizes: must be positive integers, got {list(batch_sizes)}")
+        if not 1 <= prefill_chunk <= max_seq_len:
+            raise ValueError(f"prefill_chunk: must be in [1, max_seq_len={max_seq_len}], got {prefill_chunk}")
+        self.model = model
+        self.vocab_size = model.cfg.vocab_size
+        self.eos_ids = frozenset(model.cfg.eos_token_ids)
+        self.depths = tuple(depths)
+        self.buckets = tuple(buckets)
+        self.max_seq_len = max_seq_len
+        self.prefill_chunk = prefill_chunk
+        self.state = StaticState(model, buckets[-1], max_seq_len, depths[-1])
+        self.graphs = CompiledGraphs(model, self.state, compile_backend)
+        self._depth = mtp_depth
+        self._device = model.lm_head.weight.device
+        self._ids = itertools.count()
+        self._seeds = torch.Generator().manual_seed(seed)
+        self._waiting: deque[_Request] = deque()
+        self._running: dict[int, _Request] = {}
+        self._free = list(range(buckets[-1]))[::-1]
+        self._stats = _Stats()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        mtp_depth: int = 3,
+        batch_sizes: Sequence[int] = (1, 2, 4, 8),
+        max_seq_len: int = 2048,
+        dtype: str = "float32",
+        device: str = "cpu",
+        cache_dir: str | Path | None = None,
+        **options,
+    ) -> Runtime:
+        """Load an HF-layout DeepSeek-V3 checkpoint directory and prepare its graphs.
+
+        Options: `mtp_depths` (extra depths to allow switching to), `compile_backend` ("inductor" or
+        "eager"), `prefill_chunk`, `seed` (for requests without one)."""
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype: must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        depths = set(options.get("mtp_depths") or ()) | {mtp_depth}
+        model = load_model(path, dtype=DTYPES[dtype], device=device, with_mtp=max(depths) > 0)
+        return cls(model, mtp_depth=mtp_depth, batch_sizes=batch_sizes, max_seq_len=max_seq_len, **options)
+
+    @property
+    def mtp_depth(self) -> int:
+        return self._depth
+
+    @mtp_depth.setter
+    def mtp_depth(self, depth: int) -> None:
+        if depth not in self.depths:
+            raise ValueError(f"mtp_depth: {depth} is not one of the captured depths {list(self.depths)}")
+        self._depth = depth
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None) -> int:
+        """Queue a request; returns its id. Raises ValueError (naming the field) on bad input."""
+        params = params or SamplingParams()
+        prompt = self._check(prompt, params)
+        seed = params.seed if params.seed is not None else int(torch.randint(2**62, (), generator=self._seeds))
+        greedy = params.temperature == 0
+        req = _Request(
+            out=RequestOutput(next(self._ids), prompt),
+            params=params,
+            stop_ids=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids),
+            generator=None if greedy else torch.Generator().manual_seed(seed),
+        )
+        self._waiting.append(req)
+        return req.out.request_id
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run prompts to completion; one SamplingParams for all or one per prompt."""
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"params: expected 1 or {len(prompts)} SamplingParams, got {len(params)}")
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            self._check(p, sp, where=f"prompts[{i}]")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        wanted, done = set(ids), {}
+        while len(done) < len(ids):
+            done.update((s.request_id, s.output) for s in self.step() if s.output is not None and s.request_id in wanted)
+        return [done[i] for i in ids]
+
+    def step(self) -> list[StepOutput]:
+        """Admit waiting requests (prefill) while slots are free, then run one speculative step for
+        every running request. Returns the tokens each request gained."""
+        outputs: list[StepOutput] = []
+        while self._waiting and self._free:
+            outputs.append(self._prefill(self._waiting.popleft()))
+        if self._running:
+            outputs += self._decode(list(self._running.values()))
+        return outputs
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _check(self, prompt: Sequence[int], params: SamplingParams, where: str = "prompt") -> list[int]:
+        if isinstance(prompt, str):
+            raise ValueError(f"{where}: must be a list of token ids (this checkpoint has no tokenizer)")
+        prompt = list(prompt)
+        if not prompt:
+            raise ValueError(f"{where}: must not be empty")
+        for i, t in enumerate(prompt):
+            if not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"{where}[{i}]: token id {t!r} outside [0, {self.vocab_size})")
+        if params.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: must be >= 1, got {params.max_new_tokens}")
+        if len(prompt) + params.max_new_tokens > self.max_seq_len:
+            raise ValueError(
+                f"max_new_tokens: prompt length {len(prompt)} + max_new_tokens {params.max_new_tokens} "
+                f"exceeds max_seq_len {self.max_seq_len}"
+            )
+        if not params.temperature >= 0:
+            raise ValueError(f"temperature: must be >= 0, got {params.temperature}")
+        if not 0 < params.top_p <= 1:
+            raise ValueError(f"top_p: must be in (0, 1], got {params.top_p}")
+        if params.top_k < 0:
+            raise ValueError(f"top_k: must be >= 0 (0 = no limit), got {params.top_k}")
+        for t in params.stop_token_ids:
+            if not 0 <= t < self.vocab_size:
+                raise ValueError(f"stop_token_ids: token id {t} outside [0, {self.vocab_size})")
+        return prompt
+
+    def _tensor(self, values: Iterable) -> torch.Tensor:
+        return torch.tensor(list(values), dtype=torch.long, device=self._device)
+
+    def _noise(self, reqs: Sequence[_Request], rows: int, width: int) -> torch.Tensor:
+        """Uniforms [rows, width], each request's row from its own generator (greedy rows: zeros)."""
+        noise = torch.zeros(rows, width)
+        for i, r in enumerate(reqs):
+            if r.generator is not None:
+                noise[i] = torch.rand(width, generator=r.generator)
+        return noise.to(self._device)
+
+    def _prefill(self, req: _Request) -> StepOutput:
+        req.slot = self._free.pop()
+        p = req.params
+        self.state.set_sampling(req.slot, p.temperature, p.top_k, p.top_p)
+        prompt, c = req.out.prompt_token_ids, self.prefill_chunk
+        padded = prompt + [0] * (-len(prompt) % c + 1)
+        noise = self._noise([req], 1, 2)
+        slot, n = self._tensor([req.slot]), self._tensor([len(prompt)])
+        for start in range(0, len(prompt), c):
+            tokens = self._tensor(padded[start : start + c])[None]
+            following = self._tensor(padded[start + 1 : start + c + 1])[None]
+            first = self.graphs(("prefill", 1, 0), tokens, following, slot, self._tensor([start]), n, noise)
+        req.seq_len = len(prompt)
+        self._running[req.slot] = req
+        return self._commit(req, [int(first)], depth=0, accepted=0)
+
+    def _decode(self, reqs: list[_Request]) -> list[StepOutput]:
+        k, b = self._depth, len(reqs)
+        bucket = next(s for s in self.buckets if s >= b)
+        pad = bucket - b
+        slots = self._tensor([r.slot for r in reqs] + [self.state.scratch_slot] * pad)
+        lens = self._tensor([r.seq_len for r in reqs] + [1] * pad)
+        # Uniforms per request: K - 1 draft steps, K accept tests + 1 final token, 1 next d_1.
+        decode_w = max(k - 1, 0)
+        noise = self._noise(reqs, bucket, decode_w + k + 1 + (k > 0))
+        if k >= 2:
+            self.graphs(("draft_decode", bucket, k), slots, lens, noise[:, :decode_w])
+        verify_noise = noise[:, decode_w : decode_w + k + 1]
+        accepted, committed, hidden = self.graphs(("target_verify", bucket, k), slots, lens, verify_noise)
+        if k >= 1:
+            self.graphs(("draft_extend", bucket, k), slots, lens, accepted, committed, hidden, noise[:, -1:])
+        self._stats.steps += 1
+        accepted_l, committed_l = accepted.tolist(), committed.tolist()
+        return [self._commit(r, committed_l[i][: accepted_l[i] + 1], k, accepted_l[i]) for i, r in enumerate(reqs)]
+
+    def _commit(self, req: _Request, tokens: list[int], depth: int, accepted: int) -> StepOutput:
+        """Emit committed tokens up to the first stop token and max_new_tokens; count only those."""
+        out = req.out
+        room = req.params.max_new_tokens - len(out.token_ids)
+        emitted = tokens[:room]
+        reason = "length" if len(tokens) >= room else None
+        for i, t in enumerate(emitted):
+            if t in req.stop_ids:
+                emitted, reason = emitted[: i + 1], "stop"
+                break
+        out.token_ids += emitted
+        req.seq_len += len(tokens)
+        if depth:
+            # Drafts are the first `accepted` committed tokens; the last one is the target's own.
+            counted = min(accepted, len(emitted))
+            out.num_draft_tokens += depth
+            out.num_accepted_tokens += counted
+            self._stats.record(depth, len(emitted), counted)
+        if reason is not None:
+            out.finish_reason = reason
+            del self._running[req.slot]
+            self._free.append(req.slot)
+        return StepOutput(out.request_id, emitted, reason is not None, reason, out if reason else None)
+
+    def stats(self) -> dict:
+        """Acceptance length (tokens per request-step), per-position acceptance, replays per graph key,
+        compiles and recompiles."""
+        s = self._stats
+        return {
+            "acceptance_length": s.committed / s.request_steps if s.request_steps else 0.0,
+            "acceptance_rate_per_position": [a / p if p else 0.0 for a, p in zip(s.accepted, s.proposed)],
+            "draft_tokens": sum(s.proposed),
+            "accepted_tokens": sum(s.accepted),
+            "decode_steps": s.steps,
+            "graph_replays": {key_name(k): n for k, n in self.graphs.replays.items()},
+            "compiles": self.graphs.compiles,
+            "recompiles": self.graphs.recompiles,
+        }

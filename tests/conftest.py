@@ -1,0 +1,47 @@
+"""Shared pytest setup: hypothesis profiles and session-scoped tiny checkpoints."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, settings
+from transformers import DeepseekV3ForCausalLM
+from transformers.utils import logging as hf_logging
+
+from tests.factory import load_hf, tiny_config, write_checkpoint, write_echo_checkpoint
+
+# "ci" (default): deterministic and quick. "thorough": HYPOTHESIS_PROFILE=thorough pytest ...
+settings.register_profile(
+    "ci", derandomize=True, deadline=None, max_examples=10, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile("thorough", deadline=None, max_examples=200, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+hf_logging.set_verbosity_error()
+hf_logging.disable_progress_bar()
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`write_checkpoint(tiny_config())`: 2 layers (dense + MoE), one random MTP layer, fp32, seed 0."""
+    return write_checkpoint(tmp_path_factory.mktemp("tiny"), tiny_config())
+
+
+@pytest.fixture(scope="session")
+def echo_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`write_echo_checkpoint` at attn_scale 0, no MTP noise: near-100% greedy acceptance."""
+    return write_echo_checkpoint(tmp_path_factory.mktemp("echo"))
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tiny_checkpoint: Path) -> DeepseekV3ForCausalLM:
+    """`tiny_checkpoint` loaded by `load_hf` (shared: do not modify)."""
+    return load_hf(tiny_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def echo_hf(echo_checkpoint: Path) -> DeepseekV3ForCausalLM:
+    """`echo_checkpoint` loaded by `load_hf` (shared: do not modify)."""
+    return load_hf(echo_checkpoint)

@@ -1,0 +1,614 @@
+"""Test fixtures: tiny DeepSeek-V3 checkpoints with MTP layers, and HF transformers as the oracle.
+
+Checkpoints are written in the DeepSeek-V3 release layout (see DESIGN.md, "Checkpoint facts"):
+HF's `save_pretrained` writes the target model (routed experts as per-expert keys), then MTP layer i
+is added at `model.layers.{num_hidden_layers + i}.` with `enorm`, `hnorm`, `eh_proj`,
+`shared_head.norm`, `shared_head.head`, `embed_tokens` and a MoE decoder layer's keys.
+transformers is used only here, as the reference implementation.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import re
+import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from hypothesis import strategies as st
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+from transformers.cache_utils import MtpCache
+from transformers.generation.candidate_generator import MTPCandidateGenerator
+from transformers.modeling_layers import MtpModel
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+
+FP8_BLOCK = 128
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_QUANTIZATION_CONFIG = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "activation_scheme": "dynamic",
+    "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+}
+# Linear weights of decoder layers (target and MTP blocks) that DeepSeek releases in FP8. Not FP8:
+# embeddings, heads, norms, eh_proj, the router (`mlp.gate.weight`) and `e_score_correction_bias`.
+FP8_WEIGHT = re.compile(
+    r"^model\.layers\.\d+\.(self_attn\.(q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)"
+    r"|mlp\.(shared_experts\.|experts\.\d+\.)?(gate_proj|up_proj|down_proj))\.weight$"
+)
+_TINY: dict[str, Any] = dict(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=48,
+    moe_intermediate_size=16,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    q_lora_rank=24,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    first_k_dense_replace=1,
+    n_shared_experts=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    max_position_embeddings=256,
+    num_nextn_predict_layers=1,
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 64,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    },
+    rope_interleave=True,
+    bos_token_id=0,
+    eos_token_id=1,
+)
+
+
+# ----------------------------------------------------------------------------- configs
+
+
+def tiny_config(**overrides: Any) -> DeepseekV3Config:
+    """A tiny fp32 DeepSeek-V3 config (2 layers, first dense, 8 experts, YaRN, one MTP layer).
+
+    `num_key_value_heads` follows `num_attention_heads` unless given.
+    """
+    params = {**_TINY, **overrides}
+    params.setdefault("num_key_value_heads", params["num_attention_heads"])
+    return DeepseekV3Config(**params, dtype=torch.float32, attn_implementation="eager")
+
+
+@st.composite
+def config_strategy(draw: st.DrawFn) -> DeepseekV3Config:
+    """Hypothesis strategy over tiny configs: MLA ranks, YaRN, rope layout, group routing, dense/MoE mix."""
+    num_layers = draw(st.integers(1, 3))
+    n_group = draw(st.sampled_from([1, 2, 4]))
+    per_group = draw(st.integers(2, 4))  # the group score sums each group's top-2 experts
+    topk_group = draw(st.integers(1, n_group))
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": draw(st.sampled_from([10000.0, 50000.0]))}
+    if draw(st.booleans()):
+        rope |= {
+            "rope_type": "yarn",
+            "factor": draw(st.floats(2.0, 8.0)),
+            "original_max_position_embeddings": draw(st.sampled_from([32, 64, 128])),
+            "mscale": draw(st.sampled_from([0.707, 1.0])),
+            "mscale_all_dim": draw(st.sampled_from([0.0, 0.707, 1.0])),
+            "beta_fast": 32,
+            "beta_slow": 1,
+        }
+    return tiny_config(
+        vocab_size=2 * draw(st.integers(25, 150)) + 1,
+        hidden_size=draw(st.sampled_from([16, 32])),
+        intermediate_size=draw(st.sampled_from([24, 48])),
+        moe_intermediate_size=draw(st.sampled_from([8, 16])),
+        num_hidden_layers=num_layers,
+        num_attention_heads=draw(st.sampled_from([1, 2, 4])),
+        q_lora_rank=draw(st.one_of(st.none(), st.sampled_from([12, 24]))),
+        kv_lora_rank=draw(st.sampled_from([8, 16])),
+        qk_nope_head_dim=draw(st.sampled_from([4, 8])),
+        qk_rope_head_dim=draw(st.sampled_from([4, 8])),
+        v_head_dim=draw(st.sampled_from([4, 12])),
+        n_routed_experts=n_group * per_group,
+        n_group=n_group,
+        topk_group=topk_group,
+        num_experts_per_tok=draw(st.integers(1, topk_group * per_group)),
+        n_shared_experts=draw(st.sampled_from([1, 2])),
+        first_k_dense_replace=draw(st.integers(0, num_layers)),
+        norm_topk_prob=draw(st.booleans()),
+        routed_scaling_factor=draw(st.sampled_from([0.5, 1.0, 2.5])),
+        rope_parameters=rope,
+        rope_interleave=draw(st.booleans()),
+    )
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+@torch.no_grad()
+def _randomize_(module: torch.nn.Module, gen: torch.Generator) -> None:
+    """Overwrite every parameter and persistent buffer with well-conditioned random values.
+
+    Linear weights are N(0, 1/fan_in) so activations keep unit scale; norms are U(0.5, 1.5) and
+    `e_score_correction_bias` N(0, 0.1^2) so a missing norm or bias changes the output; the
+    embedding is N(0, 1); lm_head is N(0, 9/H), giving logits of scale ~3 with clear top-2 gaps.
+    """
+
+    def normal(shape: torch.Size, std: float) -> Tensor:
+        return torch.randn(shape, generator=gen) * std
+
+    for name, t in module.state_dict(keep_vars=True).items():
+        if name.endswith("norm.weight"):
+            value = torch.rand(t.shape, generator=gen) + 0.5
+        elif name.endswith("e_score_correction_bias"):
+            value = normal(t.shape, 0.1)
+        elif name.endswith("embed_tokens.weight"):
+            value = normal(t.shape, 1.0)
+        elif name.endswith("lm_head.weight"):
+            value = normal(t.shape, 3.0 / math.sqrt(t.shape[1]))
+        else:  # [out, in] or fused experts [E, out, in]
+            value = normal(t.shape, 1.0 / math.sqrt(t.shape[-1]))
+        t.copy_(value)
+
+
+def _build_model(config: DeepseekV3Config, seed: int) -> DeepseekV3ForCausalLM:
+    """The seeded fp32 target model (all weights drawn from a generator seeded with `seed`)."""
+    model = DeepseekV3ForCausalLM(config).eval()
+    _randomize_(model, torch.Generator().manual_seed(seed))
+    return model
+
+
+def _unfuse_experts(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """HF's fused experts (gate_up_proj [E, 2I, H], down_proj [E, H, I]) as DeepSeek per-expert keys."""
+    out = {}
+    for key, value in state.items():
+        if key.endswith("mlp.experts.gate_up_proj"):
+            base, inter = key[: -len("gate_up_proj")], value.shape[1] // 2
+            for e in range(value.shape[0]):
+                out[f"{base}{e}.gate_proj.weight"] = value[e, :inter].clone()
+                out[f"{base}{e}.up_proj.weight"] = value[e, inter:].clone()
+        elif key.endswith("mlp.experts.down_proj"):
+            base = key[: -len("down_proj")]
+            for e in range(value.shape[0]):
+                out[f"{base}{e}.down_proj.weight"] = value[e].clone()
+        else:
+            out[key] = value.detach().clone()
+    return out
+
+
+def _mtp_layer_state(
+    model: DeepseekV3ForCausalLM, block: dict[str, Tensor], norms: dict[str, Tensor], eh_proj: Tensor, index: int
+) -> dict[str, Tensor]:
+    """Keys of one MTP layer in DeepSeek layout at `model.layers.{index}.`.
+
+    `block` is a MoE decoder layer's state dict (HF fused experts allowed); `norms` holds
+    `enorm`, `hnorm` and `shared_head.norm` weights.
+    """
+    prefix = f"model.layers.{index}."
+    state = {f"{prefix}{name}.weight": w.clone() for name, w in norms.items()}
+    state[f"{prefix}eh_proj.weight"] = eh_proj.clone()
+    state[f"{prefix}shared_head.head.weight"] = model.lm_head.weight.detach().clone()
+    state[f"{prefix}embed_tokens.weight"] = model.model.embed_tokens.weight.detach().clone()
+    state |= {prefix + k: v for k, v in _unfuse_experts(block).items()}
+    return state
+
+
+def _random_mtp_state(model: DeepseekV3ForCausalLM, num_mtp_layers: int, seed: int) -> dict[str, Tensor]:
+    """Seeded random MTP layers (MoE blocks, random norms and eh_proj) for `model`."""
+    gen = torch.Generator().manual_seed(seed + 1_000_003)
+    config, hidden = model.config, model.config.hidden_size
+    state: dict[str, Tensor] = {}
+    for i in range(num_mtp_layers):
+        block = DeepseekV3DecoderLayer(config.get_mtp_config(), layer_idx=0)
+        _randomize_(block, gen)
+        norms = {n: torch.rand(hidden, generator=gen) + 0.5 for n in ("enorm", "hnorm", "shared_head.norm")}
+        eh_proj = torch.randn(hidden, 2 * hidden, generator=gen) / math.sqrt(2 * hidden)
+        state |= _mtp_layer_state(model, block.state_dict(), norms, eh_proj, config.num_hidden_layers + i)
+    return state
+
+
+# ----------------------------------------------------------------------------- fp8
+
+
+def quantize_fp8(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """Block-quantize a 2-D weight like DeepSeek-V3: (float8_e4m3fn weight, float32 scale_inv).
+
+    scale_inv has shape [ceil(out/128), ceil(in/128)]; each 128x128 block's max |w| maps to 448.
+    """
+    rows, cols = weight.shape
+    br, bc = math.ceil(rows / FP8_BLOCK), math.ceil(cols / FP8_BLOCK)
+    padded = weight.new_zeros(br * FP8_BLOCK, bc * FP8_BLOCK, dtype=torch.float32)
+    padded[:rows, :cols] = weight.float()
+    blocks = padded.view(br, FP8_BLOCK, bc, FP8_BLOCK)
+    scale_inv = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)
+    q = (blocks / scale_inv[:, None, :, None]).view_as(padded)[:rows, :cols]
+    return q.to(torch.float8_e4m3fn).contiguous(), scale_inv.contiguous()
+
+
+def dequantize_fp8(weight: Tensor, scale_inv: Tensor) -> Tensor:
+    """fp8 weight times its 128x128-block scale_inv, as float32."""
+    rows, cols = weight.shape
+    scale = scale_inv.repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)[:rows, :cols]
+    return weight.float() * scale
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def _shard_files(path: Path) -> list[Path]:
+    """The checkpoint's safetensors files (from the index when sharded), sorted."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        names = set(json.loads(index.read_text())["weight_map"].values())
+        return sorted(path / n for n in names)
+    return [path / "model.safetensors"]
+
+
+def _rewrite(path: Path, edit: Callable[[Path, dict[str, Tensor]], dict[str, Tensor]]) -> None:
+    """Apply `edit(file, tensors)` to every safetensors file and rebuild the index (when sharded)."""
+    weight_map, total = {}, 0
+    for file in _shard_files(path):
+        tensors = edit(file, load_file(file))
+        save_file(tensors, file, metadata={"format": "pt"})
+        weight_map |= {k: file.name for k in tensors}
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        meta = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        index.write_text(json.dumps(meta, indent=2))
+
+
+def _convert(tensors: dict[str, Tensor], dtype: torch.dtype, fp8: bool) -> dict[str, Tensor]:
+    """Cast to `dtype` (e_score_correction_bias stays float32, as released) and FP8-quantize linears."""
+    out = {}
+    for key, value in tensors.items():
+        if fp8 and FP8_WEIGHT.match(key):
+            out[key], out[f"{key}_scale_inv"] = quantize_fp8(value)
+        elif key.endswith("e_score_correction_bias"):
+            out[key] = value.float().contiguous()
+        else:
+            out[key] = value.to(dtype).contiguous()
+    return out
+
+
+def _update_config(path: Path, remove: tuple[str, ...] = (), **fields: Any) -> None:
+    """Set top-level fields of config.json and remove those named in `remove`."""
+    file = path / "config.json"
+    config = {k: v for k, v in json.loads(file.read_text()).items() if k not in remove} | fields
+    file.write_text(json.dumps(config, indent=2, sort_keys=True))
+
+
+def _save(
+    path: Path,
+    model: DeepseekV3ForCausalLM,
+    mtp_state: dict[str, Tensor],
+    *,
+    dtype: torch.dtype,
+    max_shard_size: int | str | None,
+    fp8: bool,
+) -> Path:
+    """save_pretrained, then add `mtp_state` to the last shard, cast / quantize, and patch config.json."""
+    path.mkdir(parents=True, exist_ok=True)
+    if max_shard_size is None:
+        model.save_pretrained(path)
+    else:
+        model.save_pretrained(path, max_shard_size=max_shard_size)
+    last = _shard_files(path)[-1]
+
+    def edit(file: Path, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+        return _convert(tensors | mtp_state if file == last else tensors, dtype, fp8)
+
+    _rewrite(path, edit)
+    fields: dict[str, Any] = {"quantization_config": FP8_QUANTIZATION_CONFIG} if fp8 else {}
+    _update_config(path, dtype=str(dtype).removeprefix("torch."), **fields)
+    return path
+
+
+def write_checkpoint(
+    path: str | Path,
+    config: DeepseekV3Config,
+    *,
+    seed: int = 0,
+    num_mtp_layers: int = 1,
+    dtype: torch.dtype = torch.float32,
+    max_shard_size: int | str | None = None,
+    fp8: bool = False,
+) -> Path:
+    """Write a seeded random DeepSeek-V3 checkpoint with `num_mtp_layers` MTP layers (0: none).
+
+    config.json gets `num_nextn_predict_layers = num_mtp_layers`. `max_shard_size` shards the
+    files (with model.safetensors.index.json; MTP keys go to the last shard). `dtype` is the
+    storage dtype. `fp8=True` stores decoder-layer linear weights as float8_e4m3fn with
+    `weight_scale_inv` block scales and adds `quantization_config`; such a checkpoint does not
+    load in HF: compare against `read_state_dict` or load `dequantize_checkpoint`'s copy.
+    """
+    config = copy.deepcopy(config)
+    config.num_nextn_predict_layers = num_mtp_layers
+    model = _build_model(config, seed)
+    mtp_state = _random_mtp_state(model, num_mtp_layers, seed)
+    return _save(Path(path), model, mtp_state, dtype=dtype, max_shard_size=max_shard_size, fp8=fp8)
+
+
+@torch.no_grad()
+def write_echo_checkpoint(
+    path: str | Path,
+    *,
+    vocab_size: int = 97,
+    hidden: int = 32,
+    attn_scale: float = 0.0,
+    mtp_noise: float = 0.0,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    **overrides: Any,
+) -> Path:
+    """A high-acceptance checkpoint: the MTP layer is a copy of the 1-layer MoE target.
+
+    Embedding rows have RMS exactly 1; the target's o_proj is scaled by `attn_scale` (0: the next
+    token depends only on the current one). lm_head is built so that at attn_scale 0 the target's
+    greedy successor map is one random cycle through the whole vocabulary (no early fixed point):
+    row succ(x) of lm_head is the unit-normalized final hidden of token x. The MTP layer has
+    enorm = hnorm = 1, eh_proj = [I | 0] (keeps the normalized embedding, drops the hidden), the
+    target's layer 0 as block (plus `mtp_noise` x RMS seeded Gaussian noise per tensor) and the
+    final norm as shared_head.norm, so its greedy draft equals the target's next greedy token.
+    Greedy draft/target agreement (200 random tokens): ~1.0 at defaults, 0.96 / 0.84 / 0.63 at
+    mtp_noise 0.1 / 0.3 / 0.5, 0.95 / 0.92 at attn_scale 1 / 2.
+    `overrides` go to `tiny_config` (keep the layer count and first_k_dense_replace).
+    """
+    config = tiny_config(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        num_hidden_layers=1,
+        first_k_dense_replace=0,
+        num_nextn_predict_layers=1,
+        **overrides,
+    )
+    model = _build_model(config, seed)
+    gen = torch.Generator().manual_seed(seed + 7)
+    embed = model.model.embed_tokens.weight
+    embed /= embed.pow(2).mean(-1, keepdim=True).sqrt()
+    model.model.layers[0].self_attn.o_proj.weight *= attn_scale
+    final = model.model(torch.arange(vocab_size)[:, None]).last_hidden_state[:, 0]
+    cycle = torch.randperm(vocab_size, generator=gen)
+    model.lm_head.weight[cycle.roll(-1)] = final[cycle] / final[cycle].norm(dim=-1, keepdim=True)
+
+    block = {k: v.detach().clone() for k, v in model.model.layers[0].state_dict().items()}
+    for value in block.values():
+        value += mtp_noise * value.pow(2).mean().sqrt() * torch.randn(value.shape, generator=gen)
+    norms = {
+        "enorm": torch.ones(hidden),
+        "hnorm": torch.ones(hidden),
+        "shared_head.norm": model.model.norm.weight.detach().clone(),
+    }
+    eh_proj = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1)
+    mtp_state = _mtp_layer_state(model, block, norms, eh_proj, config.num_hidden_layers)
+    return _save(Path(path), model, mtp_state, dtype=dtype, max_shard_size=None, fp8=False)
+
+
+def read_state_dict(path: str | Path) -> dict[str, Tensor]:
+    """Every tensor of a checkpoint as float32, FP8 weights dequantized (their scale_inv keys dropped).
+
+    This is the reference an engine loader's output (before its own fusing) is compared with.
+    """
+    raw: dict[str, Tensor] = {}
+    for file in _shard_files(Path(path)):
+        raw |= load_file(file)
+    out = {}
+    for key, value in raw.items():
+        if key.endswith("_scale_inv"):
+            continue
+        scale_inv = raw.get(f"{key}_scale_inv")
+        out[key] = value.float() if scale_inv is None else dequantize_fp8(value, scale_inv)
+    return out
+
+
+def dequantize_checkpoint(src: str | Path, dst: str | Path) -> Path:
+    """A float32, unsharded copy of checkpoint `src` at `dst` (FP8 dequantized), loadable by `load_hf`."""
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "generation_config.json"):
+        if (src / name).exists():
+            shutil.copy(src / name, dst / name)
+    save_file(read_state_dict(src), dst / "model.safetensors", metadata={"format": "pt"})
+    _update_config(dst, remove=("quantization_config",), dtype="float32")
+    return dst
+
+
+# ----------------------------------------------------------------------------- HF oracle
+
+
+def load_hf(path: str | Path) -> DeepseekV3ForCausalLM:
+    """The checkpoint in HF transformers: fp32, eager attention, eval mode.
+
+    HF finds MTP weights through `_keys_to_ignore_on_load_unexpected`; the class attribute is set
+    to one pattern per MTP layer index for the load and restored after, and the patterns are also
+    set on the instance so that `MtpModel.from_pretrained(model)` (and `generate(use_mtp=True)`)
+    find the MTP layers later.
+    """
+    config = DeepseekV3Config.from_pretrained(path)
+    first = config.num_hidden_layers
+    patterns = [rf"model\.layers\.{first + i}\..*" for i in range(config.num_nextn_predict_layers)]
+    saved = DeepseekV3ForCausalLM._keys_to_ignore_on_load_unexpected
+    DeepseekV3ForCausalLM._keys_to_ignore_on_load_unexpected = patterns
+    try:
+        model = DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    finally:
+        DeepseekV3ForCausalLM._keys_to_ignore_on_load_unexpected = saved
+    model._keys_to_ignore_on_load_unexpected = patterns
+    return model.eval()
+
+
+@torch.no_grad()
+def hf_logits(model: DeepseekV3ForCausalLM, tokens: list[int]) -> Tensor:
+    """Target logits [T, V] for one sequence (no cache); row t predicts tokens[t + 1]."""
+    return model(torch.tensor([tokens]), use_cache=False).logits[0]
+
+
+@torch.no_grad()
+def hf_greedy(model: DeepseekV3ForCausalLM, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Plain greedy decoding; exactly `max_new_tokens` generated ids.
+
+    EOS stopping is off: `eos_token_id=None` is passed to `generate` as a keyword, which overrides
+    the checkpoint's generation_config (a `GenerationConfig` object would not: its None fields get
+    the model's defaults). No logits processor is active, so no token is suppressed.
+    """
+    out = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+@torch.no_grad()
+def hf_mtp_draft_logits(model: DeepseekV3ForCausalLM, tokens: list[int]) -> Tensor:
+    """Depth-1 MTP logits [T-1, V] from HF's MtpModel (its first MTP layer) over a whole sequence.
+
+    Row i takes token tokens[i+1] and the target's post-final-norm hidden at position i
+    (`hidden_states[-1]`, which HF ties to `last_hidden_state`), and predicts tokens[i+2]. As in
+    HF's MTPCandidateGenerator prefill, the row's position id is i + 1 (its token's position) and
+    the cache is a fresh MtpCache.
+    """
+    ids = torch.tensor([tokens])
+    hidden = model(ids, output_hidden_states=True, use_cache=False).hidden_states[-1]
+    mtp = MtpModel.from_pretrained(model).eval()
+    out = mtp.forward_layer(
+        0,
+        hidden[:, :-1],
+        position_ids=torch.arange(1, len(tokens))[None],
+        mtp_cache=MtpCache(config=model.config.get_mtp_config()),
+        input_ids=ids[:, 1:],
+    )
+    return mtp._project_to_logits(out)[0]
+
+
+@contextmanager
+def _wrapped(cls: type, name: str, after: Callable[..., None]) -> Iterator[None]:
+    """Temporarily wrap method `cls.name` so that `after(result, *args)` sees each call."""
+    original = getattr(cls, name)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        after(result, *args, **kwargs)
+        return result
+
+    setattr(cls, name, wrapper)
+    try:
+        yield
+    finally:
+        setattr(cls, name, original)
+
+
+@torch.no_grad()
+def hf_mtp_generate(
+    model: DeepseekV3ForCausalLM, prompt: list[int], max_new_tokens: int
+) -> tuple[list[int], list[int]]:
+    """Greedy `generate(use_mtp=True)`: (generated ids, accepted drafts per verification step).
+
+    HF drafts K = num_nextn_predict_layers tokens per step (one per MTP layer). Drafts are recorded
+    by wrapping `MTPCandidateGenerator.get_candidates` for the duration of the call; its first call
+    (before the prefill, no drafts) is not a step. A step's accepted count is the number of leading
+    drafts equal to the generated ids at their positions, so it counts only committed drafts; every
+    step is counted, the final one included. This equals HF's own `n_matches` except at a final
+    step whose bonus token fell past max_new_tokens, where HF's cropped count is one lower.
+    EOS stopping is off as in `hf_greedy`.
+    """
+    steps: list[tuple[int, list[int]]] = []
+
+    def record(result: tuple[Tensor, Tensor | None], _self: Any, input_ids: Tensor, *args: Any, **kw: Any) -> None:
+        start = input_ids.shape[1]
+        if result[0].shape[1] > start:
+            steps.append((start - len(prompt), result[0][0, start:].tolist()))
+
+    with _wrapped(MTPCandidateGenerator, "get_candidates", record):
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            use_mtp=True,
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    generated = out[0, len(prompt) :].tolist()
+    accepted = []
+    for start, drafts in steps:
+        count = 0
+        while count < len(drafts) and start + count < len(generated) and generated[start + count] == drafts[count]:
+            count += 1
+        accepted.append(count)
+    return generated, accepted
+
+
+# ----------------------------------------------------------------------------- bad checkpoints
+
+
+def copy_checkpoint(src: str | Path, dst: str | Path) -> Path:
+    """A copy of checkpoint directory `src` at `dst` (to break without touching `src`)."""
+    return Path(shutil.copytree(src, dst))
+
+
+def file_of(path: str | Path, key: str) -> Path:
+    """The safetensors file of checkpoint `path` that holds `key`."""
+    for file in _shard_files(Path(path)):
+        with safe_open(file, "pt") as f:
+            if key in f.keys():
+                return file
+    raise KeyError(key)
+
+
+def delete_key(path: str | Path, key: str) -> None:
+    """Remove tensor `key` from its file (and from the index)."""
+    _rewrite(Path(path), lambda _, tensors: {k: v for k, v in tensors.items() if k != key})
+
+
+def add_key(path: str | Path, key: str, value: Tensor | None = None) -> None:
+    """Add tensor `key` (default: a float32 zeros [4]) to the last file (and the index)."""
+    last = _shard_files(Path(path))[-1]
+    extra = {key: torch.zeros(4) if value is None else value}
+    _rewrite(Path(path), lambda file, tensors: tensors | extra if file == last else tensors)
+
+
+def reshape_key(path: str | Path, key: str, shape: tuple[int, ...]) -> None:
+    """Replace tensor `key` by zeros of `shape` (same dtype)."""
+    file = file_of(path, key)
+    _rewrite(
+        Path(path),
+        lambda f, tensors: tensors | {key: torch.zeros(shape, dtype=tensors[key].dtype)} if f == file else tensors,
+    )
+
+
+def truncate_file(file: str | Path, fraction: float = 0.5) -> None:
+    """Cut a file to `fraction` of its size."""
+    data = Path(file).read_bytes()
+    Path(file).write_bytes(data[: int(len(data) * fraction)])
+
+
+def write_garbage(file: str | Path, seed: int = 0) -> None:
+    """Overwrite a file with seeded random bytes of the same length."""
+    gen = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, 256, (Path(file).stat().st_size,), generator=gen, dtype=torch.uint8)
+    Path(file).write_bytes(data.numpy().tobytes())
+
+
+def set_config_fields(path: str | Path, remove: tuple[str, ...] = (), **fields: Any) -> None:
+    """Set config.json fields (e.g. num_nextn_predict_layers=0, model_type="llama") and remove `remove`."""
+    _update_config(Path(path), remove, **fields)

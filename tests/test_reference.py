@@ -1,0 +1,54 @@
+"""The eager reference loop against HF generate: greedy tokens for K = 0..4, accepted counts at K = 1."""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from compiled_mtp.models.checkpoint import load_model
+from compiled_mtp.reference import reference_generate
+from tests.factory import config_strategy, hf_greedy, hf_mtp_generate, load_hf, write_checkpoint, write_echo_checkpoint
+
+NEW_TOKENS = 12
+
+
+def _prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+@settings(max_examples=6)
+@given(config_strategy(), st.lists(st.integers(1, 9), min_size=1, max_size=3))
+def test_greedy_equals_hf_generate_for_every_depth(config, lengths):
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_checkpoint(tmp, config, seed=5)
+        hf, ours = load_hf(path), load_model(path)
+        prompts = _prompts(config.vocab_size, lengths, seed=len(lengths))
+        expected = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+        for k in range(5):
+            got = [o.token_ids for o in reference_generate(ours, prompts, NEW_TOKENS, k)]
+            assert got == expected, f"K={k}"
+
+
+@pytest.mark.parametrize("mtp_noise", [0.0, 0.3, 0.5])
+def test_k1_accepted_counts_equal_hf_mtp(tmp_path, mtp_noise):
+    """HF drafts one token per MTP layer, so its generate(use_mtp=True) is our K = 1. The echo
+    checkpoint with MTP noise gives a mix of accepted and rejected drafts."""
+    path = write_echo_checkpoint(tmp_path, mtp_noise=mtp_noise, attn_scale=0.5, seed=2)
+    hf, ours = load_hf(path), load_model(path)
+    for prompt in _prompts(97, [3, 8], seed=4):
+        tokens, accepted = hf_mtp_generate(hf, prompt, 24)
+        ref = reference_generate(ours, [prompt], 24, 1)[0]
+        assert ref.token_ids == tokens
+        # Our loop may run one step past the end (its bonus falls beyond max_new_tokens);
+        # compare the steps both ran.
+        assert ref.accepted[: len(accepted)] == accepted
+        if mtp_noise == 0.0:
+            assert sum(accepted) >= 0.9 * len(accepted)
+        else:
+            assert 0 < sum(accepted) < len(accepted)
+

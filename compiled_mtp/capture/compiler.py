@@ -18,7 +18,9 @@ from ..graphs import steps
 from ..graphs.state import StaticState
 from ..models.deepseek_v3 import DeepseekV3
 
-BACKENDS = ("inductor", "eager")
+# "eager" runs the step functions uncompiled; "aot_eager" traces them like "inductor" (same graphs,
+# guards and recompile rules) but skips code generation, for fast tests of the compiled path.
+BACKENDS = ("inductor", "aot_eager", "eager")
 GraphKey = tuple[str, int, int]
 
 
@@ -38,7 +40,7 @@ def _own_code(fn: Callable, name: str) -> Callable:
 
 
 class CompiledGraphs:
-    """The graphs of one runtime. `backend="eager"` runs the step functions uncompiled."""
+    """The graphs of one runtime."""
 
     def __init__(self, model: DeepseekV3, state: StaticState, backend: str = "inductor") -> None:
         if backend not in BACKENDS:

@@ -14,6 +14,7 @@ from compiled_mtp.graphs.sampling import (
     rejection_sample,
     sample_from_probs,
 )
+from tests.stats import chi_square_p_value as chi_square
 
 SETTINGS = settings(derandomize=True, deadline=None, max_examples=100)
 LARGEST_BELOW_ONE = math.nextafter(1.0, 0.0)
@@ -299,12 +300,7 @@ def test_rejection_sample_accepts_everything_when_draft_equals_target():
 
 def chi_square_p_value(samples, probs):
     """Goodness-of-fit p-value of integer samples against probs [V] (all positive)."""
-    expected = probs.double() * len(samples)
-    observed = torch.bincount(samples, minlength=len(probs)).double()
-    statistic = ((observed - expected) ** 2 / expected).sum()
-    # The chi-square survival function is the regularized upper incomplete gamma function.
-    df = torch.tensor((len(probs) - 1) / 2, dtype=torch.float64)
-    return torch.special.gammaincc(df, statistic / 2).item()
+    return chi_square(torch.bincount(samples, minlength=len(probs)), probs)
 
 
 def emitted_tokens(k, trials, seed, resample_from_target=False):

@@ -1,0 +1,94 @@
+"""Sampled output of the whole engine follows the target's distribution, at every depth.
+
+The model: an echo checkpoint with attention switched off (attn_scale 0), so the target is an exact
+Markov chain over a 12-token vocabulary whose transition rows P[x] we can compute directly, and a
+noisy MTP layer (mtp_noise 0.5) so drafts often differ from the target and the rejection and
+residual paths run. Each generated token is one draw from P[previous token], whatever was drafted.
+
+Two checks per depth K:
+- Pearson chi-square of the transition counts against P, failing below p = 1e-6: false-failure
+  rate 1e-6 per depth (the seeds are fixed, so a pass is stable).
+- Convergence: the count-weighted total-variation distance to P falls as more samples come in
+  (expected by 4x from N/16 to N; we require 2x), while the distance to random reference chains and
+  to the draft chain does not fall below a floor.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compiled_mtp import Runtime, SamplingParams
+from compiled_mtp.models.checkpoint import load_model
+from tests.factory import write_echo_checkpoint
+from tests.stats import chi_square_p_value
+
+VOCAB = 12
+TEMPERATURE = 2.5  # at 1.0 this chain puts ~0.9 on one successor; 2.5 fills every cell
+TRANSITIONS = 12_000
+
+
+@pytest.fixture(scope="module")
+def markov(tmp_path_factory):
+    model = load_model(write_echo_checkpoint(tmp_path_factory.mktemp("markov"), vocab_size=VOCAB, mtp_noise=0.5, seed=3))
+    return model, _chain(model, target=True), _chain(model, target=False)
+
+
+@torch.no_grad()
+def _chain(model, target: bool) -> torch.Tensor:
+    """Transition rows [V, V] of the target (or the depth-1 draft) at TEMPERATURE."""
+    tokens = torch.arange(VOCAB)[:, None]
+    zeros = torch.zeros(VOCAB, 1, dtype=torch.long)
+    slots = torch.zeros(VOCAB, dtype=torch.long)
+    cache = model.new_cache(1, 1, 1)
+    h = model.forward_target(tokens, zeros, zeros, slots, cache)
+    if not target:  # an MTP row reading token x drafts x's successor (this M ignores the hidden)
+        h = model.forward_mtp(0, tokens, h, zeros, zeros, slots, model.new_cache(1, 1, 1))
+    return (model.logits(h)[:, 0] / TEMPERATURE).softmax(-1).double()
+
+
+def _transitions(model, k: int) -> torch.Tensor:
+    """(previous, next) pairs in generation order, from batches of seeded requests."""
+    rt = Runtime(model, mtp_depth=k, batch_sizes=(16,), max_seq_len=64, compile_backend="eager", prefill_chunk=4)
+    gen = torch.Generator().manual_seed(100 + k)
+    pairs: list[torch.Tensor] = []
+    seed = 0
+    while sum(len(p) for p in pairs) < TRANSITIONS:
+        starts = torch.randint(VOCAB, (16,), generator=gen).tolist()
+        params = []
+        for _ in starts:
+            seed += 1
+            params.append(SamplingParams(max_new_tokens=48, temperature=TEMPERATURE, seed=seed, ignore_eos=True))
+        for start, out in zip(starts, rt.generate([[s] for s in starts], params)):
+            seq = torch.tensor([start] + out.token_ids)
+            pairs.append(torch.stack([seq[:-1], seq[1:]], dim=1))
+    return torch.cat(pairs)[:TRANSITIONS]
+
+
+def _counts(pairs: torch.Tensor) -> torch.Tensor:
+    return torch.bincount(pairs[:, 0] * VOCAB + pairs[:, 1], minlength=VOCAB * VOCAB).view(VOCAB, VOCAB).double()
+
+
+def _distance(counts: torch.Tensor, chain: torch.Tensor) -> float:
+    """Count-weighted total variation between the empirical transition rows and `chain`."""
+    rows = counts.sum(-1, keepdim=True)
+    empirical = counts / rows.clamp_min(1)
+    return float((rows[:, 0] * 0.5 * (empirical - chain).abs().sum(-1)).sum() / rows.sum())
+
+
+@pytest.mark.parametrize("k", range(4))
+def test_sampled_tokens_follow_the_target_chain(markov, k):
+    model, target, draft = markov
+    assert _distance(torch.eye(VOCAB), draft) > 0.05  # the drafts really differ from the target
+    pairs = _transitions(model, k)
+    counts = _counts(pairs)
+    p = min(chi_square_p_value(counts[x], target[x]) for x in range(VOCAB)) * VOCAB  # Bonferroni over rows
+    assert p > 1e-6, f"K={k}: chi-square p={p:.2e}"
+
+    early, full = _distance(_counts(pairs[: TRANSITIONS // 16]), target), _distance(counts, target)
+    assert full < early / 2, f"K={k}: distance to the target {early:.4f} -> {full:.4f} did not shrink"
+    gen = torch.Generator().manual_seed(7)
+    randoms = [(3 * torch.rand(VOCAB, VOCAB, generator=gen)).softmax(-1).double() for _ in range(4)]
+    for ref in [draft] + randoms:
+        far, early_far = _distance(counts, ref), _distance(_counts(pairs[: TRANSITIONS // 16]), ref)
+        assert far > 0.05 and far > 0.5 * early_far, f"K={k}: distance to a wrong chain fell to {far:.4f}"

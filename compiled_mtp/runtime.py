@@ -8,6 +8,7 @@ accepted counts and committed tokens.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,6 +77,7 @@ class _Stats:
     request_steps: int = 0
     proposed: list[int] = field(default_factory=list)  # per draft position
     accepted: list[int] = field(default_factory=list)
+    host_seconds: float = 0.0  # decode steps' Python time outside graph calls
 
     def record(self, depth: int, emitted: int, accepted: int) -> None:
         grow = depth - len(self.proposed)
@@ -205,7 +207,9 @@ class Runtime:
         while self._waiting and self._free:
             outputs.append(self._prefill(self._waiting.popleft()))
         if self._running:
+            start, graph_seconds = time.perf_counter(), self.graphs.seconds
             outputs += self._decode(list(self._running.values()))
+            self._stats.host_seconds += time.perf_counter() - start - (self.graphs.seconds - graph_seconds)
         return outputs
 
     # -- internals ------------------------------------------------------------------------------
@@ -317,6 +321,9 @@ class Runtime:
             "draft_tokens": sum(s.proposed),
             "accepted_tokens": sum(s.accepted),
             "decode_steps": s.steps,
+            "host_seconds": s.host_seconds,
+            "host_seconds_per_step": s.host_seconds / s.steps if s.steps else 0.0,
+            "graph_seconds": self.graphs.seconds,
             "graph_replays": {key_name(k): n for k, n in self.graphs.replays.items()},
             "compiles": self.graphs.compiles,
             "recompiles": self.graphs.recompiles,

@@ -355,9 +355,14 @@ def write_echo_checkpoint(
     mtp_noise: float = 0.0,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    num_layers: int = 1,
     **overrides: Any,
 ) -> Path:
     """A high-acceptance checkpoint: the MTP layer is a copy of the 1-layer MoE target.
+
+    `num_layers` > 1 adds target layers whose output projections are zero: they compute at full
+    cost but leave the residual stream unchanged, so the target's function stays that of layer 0
+    while the MTP layer costs 1/num_layers of it, as in real checkpoints (for speed benchmarks).
 
     Embedding rows have RMS exactly 1; the target's o_proj is scaled by `attn_scale` (0: the next
     token depends only on the current one). lm_head is built so that at attn_scale 0 the target's
@@ -373,12 +378,16 @@ def write_echo_checkpoint(
     config = tiny_config(
         vocab_size=vocab_size,
         hidden_size=hidden,
-        num_hidden_layers=1,
+        num_hidden_layers=num_layers,
         first_k_dense_replace=0,
         num_nextn_predict_layers=1,
         **overrides,
     )
     model = _build_model(config, seed)
+    for layer in model.model.layers[1:]:
+        for name, weight in layer.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj", "down_proj.weight")):
+                weight.zero_()
     gen = torch.Generator().manual_seed(seed + 7)
     embed = model.model.embed_tokens.weight
     embed /= embed.pow(2).mean(-1, keepdim=True).sqrt()

@@ -8,6 +8,7 @@ a guard failure in steady state is an error, never a silent recompile.
 
 from __future__ import annotations
 
+import time
 import types
 from collections import Counter
 from typing import Callable
@@ -52,9 +53,11 @@ class CompiledGraphs:
         self.replays: Counter[GraphKey] = Counter()
         self.compiles = 0
         self.recompiles = 0
+        self.seconds = 0.0  # inside graph calls, first (compiling) calls included
 
     def __call__(self, key: GraphKey, *inputs: torch.Tensor):
         graph = self._graphs.get(key)
+        start = time.perf_counter()
         if graph is None:
             graph = self._graphs[key] = self._build(key)
             out = graph(self.model, self.state, *inputs)
@@ -65,6 +68,7 @@ class CompiledGraphs:
             with torch.compiler.set_stance("fail_on_recompile"):
                 out = graph(self.model, self.state, *inputs)
             self.recompiles += _compiled_frames() - frames
+        self.seconds += time.perf_counter() - start
         self.replays[key] += 1
         return out
 

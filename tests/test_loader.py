@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -110,4 +111,16 @@ def test_missing_shard_is_named(tmp_path):
     victim = sorted(path.glob("*.safetensors"))[0]
     victim.unlink()
     with pytest.raises(CheckpointError, match=rf"names shard '{victim.name}', which does not exist"):
+        load_model(path)
+
+
+def test_index_pointing_at_the_wrong_shard_is_named(tmp_path):
+    path = write_checkpoint(tmp_path / "sharded", tiny_config(), max_shard_size="20KB")
+    index_file = path / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    key = "model.norm.weight"
+    wrong = next(f for f in sorted(set(index["weight_map"].values())) if f != index["weight_map"][key])
+    index["weight_map"][key] = wrong
+    index_file.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=rf"{wrong}: cannot read key '{re.escape(key)}'"):
         load_model(path)

@@ -88,26 +88,29 @@ def _open(file: Path):
         raise CheckpointError(f"{file}: unreadable or truncated safetensors file ({e})") from None
 
 
-class _Handles(dict):
+class _Handles:
     """One open (memory-mapped) handle per shard for the duration of a load."""
 
-    def get_tensor(self, src: _Source) -> Tensor:
-        if src.file not in self:
-            self[src.file] = _open(src.file)
+    def __init__(self) -> None:
+        self._open: dict[Path, object] = {}
+
+    def _slice(self, src: _Source, read: bool):
+        if src.file not in self._open:
+            self._open[src.file] = _open(src.file)
+        handle = self._open[src.file]
         try:
-            return self[src.file].get_tensor(src.key)
-        except (SafetensorError, OSError, ValueError) as e:
+            return handle.get_tensor(src.key) if read else handle.get_slice(src.key).get_shape()
+        except (SafetensorError, OSError, ValueError) as e:  # e.g. the index names a key the shard lacks
             raise CheckpointError(f"{src.file}: cannot read key {src.key!r} ({e})") from None
-        except Exception as e:  # the shard's index says the key is here, but the file does not hold it
-            raise CheckpointError(f"{src.file}: missing key {src.key!r} ({e})") from None
+
+    def get_tensor(self, src: _Source) -> Tensor:
+        return self._slice(src, read=True)
 
     def shape(self, src: _Source) -> list[int]:
-        if src.file not in self:
-            self[src.file] = _open(src.file)
-        return list(self[src.file].get_slice(src.key).get_shape())
+        return list(self._slice(src, read=False))
 
     def close(self) -> None:
-        self.clear()
+        self._open.clear()
 
 
 def _expected_keys(model: DeepseekV3) -> dict[str, list[str]]:

@@ -1,0 +1,43 @@
+"""The pass manager: the custom FX passes Inductor runs on every graph the engine compiles.
+
+Inductor calls it as its post-grad custom pass. Its uuid combines the uuids of the enabled passes,
+so Inductor's FX graph cache (and the capture cache) never serve code built with another pass set.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+# name -> pass instance; each pass lives in its own module of this package.
+REGISTRY: dict[str, CustomGraphPass] = {}
+
+
+def available() -> tuple[str, ...]:
+    return tuple(sorted(REGISTRY))
+
+
+class PassManager(CustomGraphPass):
+    """Runs the enabled passes in registry order on a post-grad FX graph."""
+
+    def __init__(self, enabled: tuple[str, ...]) -> None:
+        unknown = sorted(set(enabled) - set(REGISTRY))
+        if unknown:
+            raise ValueError(f"passes: unknown pass {unknown[0]!r} (available: {', '.join(available()) or 'none'})")
+        self.enabled = tuple(name for name in REGISTRY if name in enabled)
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for name in self.enabled:
+            REGISTRY[name](graph)
+
+    def uuid(self) -> str:
+        parts = [f"{name}:{REGISTRY[name].uuid()}" for name in self.enabled]
+        return hashlib.sha256("|".join(parts).encode()).hexdigest()
+
+
+def inductor_options(enabled: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """Inductor config entries that install the passes (all registered ones when `enabled` is None)."""
+    return {"post_grad_custom_post_pass": PassManager(available() if enabled is None else enabled)}

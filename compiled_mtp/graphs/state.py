@@ -44,6 +44,10 @@ class StaticState(nn.Module):
         self.register_buffer("temperature", torch.zeros(n, device=dev))
         self.register_buffer("top_k", torch.zeros(n, dtype=torch.long, device=dev))
         self.register_buffer("top_p", torch.ones(n, device=dev))
+        if dev.type == "cuda":
+            # CUDA-graph replay reads and writes these in place: their addresses must never change.
+            for buf in self.buffers():
+                torch._dynamo.mark_static_address(buf)
 
     @property
     def scratch_slot(self) -> int:

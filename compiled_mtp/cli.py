@@ -8,13 +8,25 @@ import sys
 import time
 from pathlib import Path
 
+from .capture.aot import environment
+from .capture.cache import GraphCache
+from .capture.compiler import example_inputs, graph_keys, key_name
+from .capture.profile import PROFILES, Profile, ProfileError, load_profile
 from .models.config import CheckpointError
 from .models.synthetic import PRESETS, preset_config, write_random_checkpoint
 from .runtime import Runtime, SamplingParams
 
+# Engine settings when neither a flag nor a profile gives them.
+ENGINE_DEFAULTS = {"max_seq_len": 512, "dtype": "float32", "device": "cpu"}
+
 
 def _user_cache() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "compiled_mtp"
+
+
+def _graph_cache() -> Path:
+    """The capture cache the demo uses, and capture and inspect when given no --cache-dir."""
+    return _user_cache() / "graphs"
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -24,16 +36,16 @@ def _parse_ids(text: str) -> list[int]:
         raise SystemExit(f"prompt: expected token ids separated by spaces or commas, got {text!r}") from None
 
 
-def _runtime(args: argparse.Namespace, depth: int) -> Runtime:
-    return Runtime.from_pretrained(
-        args.model,
-        mtp_depth=depth,
-        batch_sizes=(1,),
-        max_seq_len=args.max_seq_len,
-        dtype=args.dtype,
-        device=args.device,
-        compile_backend=args.backend,
-    )
+def _engine_options(args: argparse.Namespace, profile: Profile | None) -> dict:
+    """Runtime settings: a flag given on the command line, else the profile's, else ENGINE_DEFAULTS.
+    With the profile's settings the runtime's graphs are the ones `capture` stored for it."""
+    options = profile.runtime_options() if profile else {"mtp_depth": 3, "batch_sizes": (1,), **ENGINE_DEFAULTS}
+    options |= {name: getattr(args, name) for name in ENGINE_DEFAULTS if getattr(args, name) is not None}
+    return options | {"compile_backend": getattr(args, "backend", "inductor"), "cache_dir": args.cache_dir}
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.0f} kB"
 
 
 def _report(rt: Runtime, outs, seconds: float) -> None:
@@ -48,10 +60,13 @@ def _report(rt: Runtime, outs, seconds: float) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    rt = _runtime(args, args.mtp_depth)
+    options = _engine_options(args, load_profile(args.profile) if args.profile else None)
+    if args.mtp_depth is not None:
+        options |= {"mtp_depth": args.mtp_depth, "mtp_depths": (*options.get("mtp_depths", ()), args.mtp_depth)}
+    rt = Runtime.from_pretrained(args.model, **options)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     prompt = _parse_ids(args.prompt)
-    rt.generate([prompt], params)  # first run compiles
+    rt.generate([prompt], params)  # the first run compiles the graphs or loads them from the cache
     start = time.perf_counter()
     out = rt.generate([prompt], params)[0]
     print(" ".join(map(str, out.token_ids)))
@@ -65,33 +80,87 @@ def cmd_random_checkpoint(args: argparse.Namespace) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
-    model = _user_cache() / "demo-tiny-random"
-    if not (model / "config.json").exists():
-        write_random_checkpoint(model, preset_config("tiny"), seed=0)
-        print(f"built a tiny random DeepSeek-V3 checkpoint with one MTP layer in {model}")
-    print("(random weights: the MTP layer is untrained, so acceptance is near zero)")
-    rt = Runtime.from_pretrained(
-        model, mtp_depth=3, mtp_depths=(0, 3), batch_sizes=(1,), max_seq_len=args.max_seq_len,
-        dtype=args.dtype, device=args.device, compile_backend=args.backend,
-    )
+    profile = load_profile(PROFILES / "default-cpu.toml")
+    model = profile.model
+    if not (model / "config.json").exists():  # until the trained default model ships
+        model = _user_cache() / "demo-tiny-random"
+        if not (model / "config.json").exists():
+            write_random_checkpoint(model, preset_config("tiny"), seed=0)
+            print(f"built a tiny random DeepSeek-V3 checkpoint with one MTP layer in {model}")
+        print("(random weights: the MTP layer is untrained, so acceptance is near zero)")
+    options = _engine_options(args, profile) | {"mtp_depths": (0, 3)}
+    rt = Runtime.from_pretrained(model, **options)
+    if rt.graphs.cache:
+        print(f"capture cache: {rt.graphs.cache.root} (the first run builds the graphs, later runs load them)")
     prompt = list(range(1, 17))
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     for depth in (0, 3):
         rt.mtp_depth = depth
-        start = time.perf_counter()
+        start, compiles, loads = time.perf_counter(), rt.graphs.compiles, rt.graphs.loads
         rt.generate([prompt], SamplingParams(max_new_tokens=4, ignore_eos=True))
-        print(f"  K={depth}: graphs ready in {time.perf_counter() - start:.1f} s")
+        print(
+            f"  K={depth}: graphs ready in {time.perf_counter() - start:.1f} s "
+            f"({rt.graphs.compiles - compiles} compiled, {rt.graphs.loads - loads} loaded from the cache)"
+        )
         start = time.perf_counter()
         outs = rt.generate([prompt], params)
         _report(rt, outs, time.perf_counter() - start)
     print("generated:", " ".join(map(str, outs[0].token_ids)))
 
 
-def _add_engine_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-seq-len", type=int, default=512)
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--backend", default="inductor", choices=("inductor", "eager"), help="eager runs uncompiled")
+def cmd_capture(args: argparse.Namespace) -> None:
+    profile = load_profile(args.profile)
+    model = args.model or profile.model
+    if model is None:
+        raise SystemExit(f"model: {args.profile} names no model; pass --model DIR")
+    options = _engine_options(args, profile)
+    rt = Runtime.from_pretrained(model, **options)
+    keys = graph_keys(profile.batch_sizes, profile.mtp_depths)
+    print(
+        f"capturing {len(keys)} graphs of {model} into {rt.graphs.cache.root}\n"
+        f"profile {args.profile}: {options['dtype']} on {options['device']}, batch buckets {list(profile.batch_sizes)}, "
+        f"MTP depths {list(profile.mtp_depths)}, max_seq_len {options['max_seq_len']}, prefill chunk {profile.prefill_chunk}"
+    )
+    start = time.perf_counter()
+    for i, key in enumerate(keys, 1):
+        bar = "#" * (20 * i // len(keys))
+        print(f"[{bar:<20}] {i}/{len(keys)} {key_name(key):<22}", end=" ", flush=True)
+        graph_start, compiles = time.perf_counter(), rt.graphs.compiles
+        rt.graphs.prepare(key, example_inputs(key, rt.model, rt.prefill_chunk))
+        how = "built" if rt.graphs.compiles > compiles else "loaded"
+        print(f"{how} in {time.perf_counter() - graph_start:.1f} s", flush=True)
+    built, held = rt.graphs.compiles, GraphCache(rt.graphs.cache.root).artifacts(environment)
+    print(
+        f"done in {time.perf_counter() - start:.1f} s: {built} built, {len(keys) - built} already in the cache; "
+        f"it holds {len(held)} graphs, {_size(sum(a.size for a in held))} (list them: compiled-mtp inspect --cache-dir {rt.graphs.cache.root})"
+    )
+
+
+def cmd_inspect(args: argparse.Namespace) -> None:
+    root = Path(args.cache_dir).expanduser()
+    artifacts = GraphCache(root).artifacts(environment)
+    if not artifacts:
+        print(f"{root}: no captured graphs")
+        return
+    print(f"{root}: {len(artifacts)} graphs, {_size(sum(a.size for a in artifacts))}")
+    rows = [("key", "model", "size", "created", "torch", "status")]
+    rows += [(a.name, a.model, _size(a.size), a.created[:16].replace("T", " "), a.torch, a.status) for a in artifacts]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1])
+
+
+def _add_engine_options(p: argparse.ArgumentParser, backend: bool = True) -> None:
+    p.add_argument("--max-seq-len", type=int, help=f"default: the profile's, else {ENGINE_DEFAULTS['max_seq_len']}")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help=f"default: the profile's, else {ENGINE_DEFAULTS['dtype']}")
+    p.add_argument("--device", help=f"default: the profile's, else {ENGINE_DEFAULTS['device']}")
+    if backend:
+        p.add_argument("--backend", default="inductor", choices=("inductor", "eager"), help="eager runs uncompiled")
+
+
+def _add_cache_option(p: argparse.ArgumentParser, default: Path | None) -> None:
+    where = f"default: {default}" if default else "default: none, compile in-process"
+    p.add_argument("--cache-dir", type=Path, default=default, help=f"capture cache directory ({where})")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -101,13 +170,15 @@ def main(argv: list[str] | None = None) -> None:
     g = sub.add_parser("generate", help="generate from token ids")
     g.add_argument("prompt", help="token ids, e.g. '1 2 3'")
     g.add_argument("--model", required=True, type=Path)
-    g.add_argument("--mtp-depth", type=int, default=3)
+    g.add_argument("--profile", type=Path, help="take buckets, depths and engine settings from a capture profile")
+    g.add_argument("--mtp-depth", type=int, help="default: 3, or the profile's largest depth")
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     _add_engine_options(g)
+    _add_cache_option(g, None)
     g.set_defaults(func=cmd_generate)
 
     r = sub.add_parser("random-checkpoint", help="write a random DeepSeek-V3-shaped checkpoint")
@@ -119,12 +190,24 @@ def main(argv: list[str] | None = None) -> None:
     d = sub.add_parser("demo", help="generate with and without MTP on a small model")
     d.add_argument("--max-new-tokens", type=int, default=64)
     _add_engine_options(d)
+    _add_cache_option(d, _graph_cache())
     d.set_defaults(func=cmd_demo)
+
+    c = sub.add_parser("capture", help="pre-build every graph of a capture profile into a cache")
+    c.add_argument("--profile", required=True, type=Path, help="e.g. profiles/default-cpu.toml")
+    c.add_argument("--model", type=Path, help="checkpoint directory (default: the profile's model)")
+    _add_engine_options(c, backend=False)
+    _add_cache_option(c, _graph_cache())
+    c.set_defaults(func=cmd_capture)
+
+    i = sub.add_parser("inspect", help="list the graphs a capture cache holds")
+    _add_cache_option(i, _graph_cache())
+    i.set_defaults(func=cmd_inspect)
 
     args = parser.parse_args(argv)
     try:
         args.func(args)
-    except (CheckpointError, ValueError) as e:
+    except (CheckpointError, ProfileError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
 

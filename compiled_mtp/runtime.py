@@ -20,6 +20,7 @@ from .capture.compiler import CompiledGraphs, key_name
 from .graphs.state import StaticState
 from .models.checkpoint import load_model
 from .models.deepseek_v3 import DeepseekV3
+from .tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -47,6 +48,7 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length"
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    text: str | None = None  # the decoded tokens, when the checkpoint has a tokenizer
 
 
 @dataclass(frozen=True)
@@ -103,8 +105,11 @@ class Runtime:
         batch_sizes: Sequence[int] = (1, 2, 4, 8),
         max_seq_len: int = 2048,
         compile_backend: str = "inductor",
+        passes: Sequence[str] | None = None,
         prefill_chunk: int = 64,
         seed: int = 0,
+        cache_dir: str | Path | None = None,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
         depths = sorted(set(mtp_depths or ()) | {mtp_depth})
         if depths[0] < 0:
@@ -117,6 +122,7 @@ class Runtime:
         if not 1 <= prefill_chunk <= max_seq_len:
             raise ValueError(f"prefill_chunk: must be in [1, max_seq_len={max_seq_len}], got {prefill_chunk}")
         self.model = model
+        self.tokenizer = tokenizer
         self.vocab_size = model.cfg.vocab_size
         self.eos_ids = frozenset(model.cfg.eos_token_ids)
         self.depths = tuple(depths)
@@ -124,7 +130,7 @@ class Runtime:
         self.max_seq_len = max_seq_len
         self.prefill_chunk = prefill_chunk
         self.state = StaticState(model, buckets[-1], max_seq_len, depths[-1])
-        self.graphs = CompiledGraphs(model, self.state, compile_backend)
+        self.graphs = CompiledGraphs(model, self.state, compile_backend, None if passes is None else tuple(passes), cache_dir)
         self._depth = mtp_depth
         self._device = model.lm_head.weight.device
         self._ids = itertools.count()
@@ -148,13 +154,15 @@ class Runtime:
     ) -> Runtime:
         """Load an HF-layout DeepSeek-V3 checkpoint directory and prepare its graphs.
 
-        Options: `mtp_depths` (extra depths to allow switching to), `compile_backend` ("inductor" or
-        "eager"), `prefill_chunk`, `seed` (for requests without one)."""
+        Options: `mtp_depths` (extra depths to allow switching to), `compile_backend` ("inductor",
+        "aot_eager" or "eager"), `passes` (names of the custom FX passes to run; None = all),
+        `prefill_chunk`, `seed` (for requests without one). `cache_dir` is a capture cache: graphs are
+        loaded from it, and those it lacks are built once and stored there."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype: must be one of {', '.join(DTYPES)}, got {dtype!r}")
         depths = set(options.get("mtp_depths") or ()) | {mtp_depth}
         model = load_model(path, dtype=DTYPES[dtype], device=device, with_mtp=max(depths) > 0)
-        return cls(model, mtp_depth=mtp_depth, batch_sizes=batch_sizes, max_seq_len=max_seq_len, **options)
+        return cls(model, mtp_depth=mtp_depth, batch_sizes=batch_sizes, max_seq_len=max_seq_len, cache_dir=cache_dir, tokenizer=Tokenizer.find(path), **options)
 
     @property
     def mtp_depth(self) -> int:
@@ -168,8 +176,9 @@ class Runtime:
 
     # -- requests -------------------------------------------------------------------------------
 
-    def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None) -> int:
-        """Queue a request; returns its id. Raises ValueError (naming the field) on bad input."""
+    def add_request(self, prompt: Sequence[int] | str, params: SamplingParams | None = None) -> int:
+        """Queue a request (token ids, or text when the checkpoint has a tokenizer); returns its id.
+        Raises ValueError (naming the field) on bad input."""
         params = params or SamplingParams()
         prompt = self._check(prompt, params)
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, (), generator=self._seeds))
@@ -186,7 +195,7 @@ class Runtime:
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running)
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+    def generate(self, prompts: Sequence[Sequence[int] | str], params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         """Run prompts to completion; one SamplingParams for all or one per prompt."""
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
@@ -214,9 +223,11 @@ class Runtime:
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _check(self, prompt: Sequence[int], params: SamplingParams, where: str = "prompt") -> list[int]:
+    def _check(self, prompt: Sequence[int] | str, params: SamplingParams, where: str = "prompt") -> list[int]:
         if isinstance(prompt, str):
-            raise ValueError(f"{where}: must be a list of token ids (this checkpoint has no tokenizer)")
+            if self.tokenizer is None:
+                raise ValueError(f"{where}: must be a list of token ids (this checkpoint has no tokenizer)")
+            prompt = self.tokenizer.encode(prompt)
         prompt = list(prompt)
         if not prompt:
             raise ValueError(f"{where}: must not be empty")
@@ -307,6 +318,7 @@ class Runtime:
             self._stats.record(depth, len(emitted), counted)
         if reason is not None:
             out.finish_reason = reason
+            out.text = self.tokenizer.decode(out.token_ids) if self.tokenizer else None
             del self._running[req.slot]
             self._free.append(req.slot)
         return StepOutput(out.request_id, emitted, reason is not None, reason, out if reason else None)

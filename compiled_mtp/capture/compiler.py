@@ -1,16 +1,23 @@
 """Turns a graph key (kind, B, K) into a compiled callable, once, and replays it.
 
-Dynamo caches compiled code per code object and stops recompiling after 8 entries, so graphs built
-from one Python function would evict each other. Each key therefore compiles its own copy of the step
-function's code object. After a key's first call, calls run under the "fail_on_recompile" stance:
-a guard failure in steady state is an error, never a silent recompile.
+Without a capture cache, each key is a torch.compile'd function. Dynamo caches compiled code per code
+object and stops recompiling after 8 entries, so graphs built from one Python function would evict
+each other. Each key therefore compiles its own copy of the step function's code object. After a key's
+first call, calls run under the "fail_on_recompile" stance: a guard failure in steady state is an
+error, never a silent recompile.
+
+With a capture cache (inductor backend), each key is an AOTInductor package from the cache, built and
+stored first when it is missing, corrupt or stale (see aot.py and cache.py).
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import time
 import types
 from collections import Counter
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -18,11 +25,15 @@ import torch
 from ..graphs import steps
 from ..graphs.state import StaticState
 from ..models.deepseek_v3 import DeepseekV3
+from ..passes.manager import inductor_options
+from . import aot
+from .cache import MISSING, GraphCache
 
 # "eager" runs the step functions uncompiled; "aot_eager" traces them like "inductor" (same graphs,
 # guards and recompile rules) but skips code generation, for fast tests of the compiled path.
 BACKENDS = ("inductor", "aot_eager", "eager")
 GraphKey = tuple[str, int, int]
+log = logging.getLogger("compiled_mtp.capture")
 
 
 def _compiled_frames() -> int:
@@ -34,51 +45,133 @@ def key_name(key: GraphKey) -> str:
     return f"{kind}/B{b}/K{k}"
 
 
+def graph_keys(batch_sizes: tuple[int, ...], depths: tuple[int, ...]) -> list[GraphKey]:
+    """The keys a runtime with these buckets and depths calls: prefill, then per bucket and depth
+    draft_decode (K >= 2), target_verify and draft_extend (K >= 1), as Runtime._decode runs them."""
+    keys: list[GraphKey] = [("prefill", 1, 0)]
+    for b in batch_sizes:
+        for k in depths:
+            keys += [("draft_decode", b, k)] * (k >= 2) + [("target_verify", b, k)] + [("draft_extend", b, k)] * (k >= 1)
+    return keys
+
+
+def example_inputs(key: GraphKey, model: DeepseekV3, prefill_chunk: int) -> tuple[torch.Tensor, ...]:
+    """Step tensors with the shapes and dtypes Runtime._prefill and Runtime._decode pass for `key`
+    (values do not matter: export traces shapes)."""
+    kind, b, k = key
+    device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
+
+    def ids(*shape: int) -> torch.Tensor:
+        return torch.zeros(shape, dtype=torch.long, device=device)
+
+    def noise(width: int) -> torch.Tensor:
+        return torch.zeros(b, width, device=device)
+
+    if kind == "prefill":
+        return ids(1, prefill_chunk), ids(1, prefill_chunk), ids(1), ids(1), ids(1), noise(2)
+    if kind == "draft_decode":
+        return ids(b), ids(b), noise(k - 1)
+    if kind == "target_verify":
+        return ids(b), ids(b), noise(k + 1)
+    hidden = torch.zeros(b, k + 1, model.cfg.hidden_size, dtype=dtype, device=device)
+    return ids(b), ids(b), ids(b), ids(b, k + 1), hidden, noise(1)
+
+
 def _own_code(fn: Callable, name: str) -> Callable:
     """A function with `fn`'s behaviour and a code object of its own."""
     code = fn.__code__.replace(co_name=name, co_qualname=name)
     return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
 
-class CompiledGraphs:
-    """The graphs of one runtime."""
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
-    def __init__(self, model: DeepseekV3, state: StaticState, backend: str = "inductor") -> None:
+
+class CompiledGraphs:
+    """The graphs of one runtime. `compiles` counts graphs built in this process (compiled in place,
+    or built and stored into the cache), `loads` those taken from the cache."""
+
+    def __init__(
+        self,
+        model: DeepseekV3,
+        state: StaticState,
+        backend: str = "inductor",
+        passes: tuple[str, ...] | None = None,
+        cache_dir: str | Path | None = None,
+    ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"compile_backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
         self.model = model
         self.state = state
         self.backend = backend
+        self.inductor_options = inductor_options(passes)  # validates the pass names
+        # Only Inductor produces code worth storing; the other backends build in-process.
+        self.cache = GraphCache(cache_dir) if cache_dir is not None and backend == "inductor" else None
         self._graphs: dict[GraphKey, Callable] = {}
         self.replays: Counter[GraphKey] = Counter()
         self.compiles = 0
+        self.loads = 0
         self.recompiles = 0
-        self.seconds = 0.0  # inside graph calls, first (compiling) calls included
+        self.seconds = 0.0  # inside graph calls, first (compiling or loading) calls included
 
     def __call__(self, key: GraphKey, *inputs: torch.Tensor):
         graph = self._graphs.get(key)
         start = time.perf_counter()
         if graph is None:
-            graph = self._graphs[key] = self._build(key)
-            out = graph(self.model, self.state, *inputs)
-            if self.backend != "eager":
-                self.compiles += 1
+            out = self.prepare(key, inputs)(*inputs)
         else:
             frames = _compiled_frames()
             with torch.compiler.set_stance("fail_on_recompile"):
-                out = graph(self.model, self.state, *inputs)
+                out = graph(*inputs)
             self.recompiles += _compiled_frames() - frames
         self.seconds += time.perf_counter() - start
         self.replays[key] += 1
         return out
 
+    def prepare(self, key: GraphKey, inputs: tuple[torch.Tensor, ...]) -> Callable:
+        """The callable of `key`, taking step tensors shaped like `inputs`. With a cache it is loaded
+        (or built and stored) now; a torch.compile'd one compiles on its first call."""
+        if key not in self._graphs:
+            self._graphs[key] = self._cached(key, inputs) if self.cache else self._build(key)
+        return self._graphs[key]
+
     def _build(self, key: GraphKey) -> Callable:
         step = getattr(steps, key[0])
         if self.backend == "eager":
-            return step
-        name = key_name(key).replace("/", "_")
-        mode = "reduce-overhead" if self.state.target_cache.is_cuda else None
-        return torch.compile(_own_code(step, name), backend=self.backend, fullgraph=True, dynamic=False, mode=mode)
+            return functools.partial(step, self.model, self.state)
+        self.compiles += 1  # torch.compile compiles on the first call, which follows at once
+        fn = _own_code(step, key_name(key).replace("/", "_"))
+        if self.backend != "inductor":
+            compiled = torch.compile(fn, backend=self.backend, fullgraph=True, dynamic=False)
+        else:
+            options = dict(self.inductor_options)
+            if self.state.target_cache.is_cuda:
+                options["triton.cudagraphs"] = True  # replay as CUDA graphs
+            compiled = torch.compile(fn, fullgraph=True, dynamic=False, options=options)
+        return functools.partial(compiled, self.model, self.state)
+
+    def _cached(self, key: GraphKey, inputs: tuple[torch.Tensor, ...]) -> Callable:
+        """Load the key's package; build and store it first when it is missing or unusable. A bad
+        package costs a rebuild and one log line, never a crash or a wrong graph."""
+        kind, b, k = key
+        akey = aot.artifact_key(kind, b, k, self.model, self.state, inputs, self.inductor_options)
+        with self.cache.locked(akey):  # another process may be building this key: wait for it
+            problem = self.cache.problem(akey)
+            if problem is None:
+                try:
+                    graph = aot.load(self.cache.package(akey), self.model, self.state)
+                except Exception as e:  # checksum intact but unloadable: treat like any corrupt file
+                    problem = f"corrupt (cannot load: {_first_line(e)})"
+                else:
+                    self.loads += 1
+                    return graph
+            if problem != MISSING:
+                log.warning("capture cache: %s in %s is %s; rebuilding it", key_name(key), self.cache.root, problem)
+            build = functools.partial(aot.build, kind, self.model, self.state, inputs, options=self.inductor_options)
+            self.cache.store(akey, build, key_name(key))
+            self.compiles += 1
+            return aot.load(self.cache.package(akey), self.model, self.state)
 
     @property
     def keys(self) -> list[GraphKey]:

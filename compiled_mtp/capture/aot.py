@@ -1,0 +1,173 @@
+"""AOTInductor artifacts of the step graphs: code only, run against the caller's tensors.
+
+A key's step function is exported inside a module whose submodules are the model and the StaticState,
+so weights and state buffers are the graph's constants. The package is built without them
+(`package_constants_in_so=False`: a few MB of code instead of the weights) and loaded with
+`load_constants(..., user_managed=True)`, which stores the caller's tensor pointers. Hence:
+- one package serves every checkpoint of a config, and weights sit in memory once for all graphs;
+- state buffers are mutated in place by the graphs (KV-cache rows, drafts, draft probabilities), and
+  because every graph holds pointers to the same StaticState, what prefill writes, verify reads.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import platform
+import warnings
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch.export.pt2_archive._package import AOTICompiledModel
+
+from ..graphs import steps
+from ..graphs.state import StaticState
+from ..models.deepseek_v3 import DeepseekV3
+
+# Inductor settings every artifact needs. Without `always_keep_tensor_constants`, Inductor copies
+# 1-D constants of <= 8 elements into the code (the router's correction bias of a small model, the
+# per-slot temperature), which would freeze them at their capture-time values.
+AOT_OPTIONS = {"aot_inductor.package_constants_in_so": False, "always_keep_tensor_constants": True}
+
+
+# Packages whose code ends up in the graphs (with this module, which sets how they are built).
+SOURCES = ("graphs", "models", "passes")
+
+
+class ArtifactError(RuntimeError):
+    """A package that cannot serve this model and state."""
+
+
+class StepModule(nn.Module):
+    """One step function as a module: the model and the state become its parameters and buffers."""
+
+    def __init__(self, kind: str, model: DeepseekV3, state: StaticState) -> None:
+        super().__init__()
+        self.kind = kind
+        self.model = model
+        self.state = state
+
+    def forward(self, *inputs: Tensor) -> Any:
+        return getattr(steps, self.kind)(self.model, self.state, *inputs)
+
+
+def constants(model: DeepseekV3, state: StaticState) -> dict[str, Tensor]:
+    """Every tensor a step graph may hold as a constant, by its name inside StepModule."""
+    module = StepModule("", model, state)
+    named = list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False))
+    return {name: tensor.detach() for name, tensor in named}
+
+
+def artifact_key(kind: str, batch: int, depth: int, model: DeepseekV3, state: StaticState, inputs: tuple[Tensor, ...], options: dict[str, Any]) -> dict[str, Any]:
+    """Everything that changes a graph's code, as JSON. Not in it: the checkpoint's path and weight
+    values. `prefill_chunk` enters through the inputs' shapes."""
+    config = asdict(model.cfg)
+    del config["eos_token_ids"]  # stop rules run on the host
+    return {
+        "kind": kind,
+        "batch": batch,
+        "depth": depth,
+        "inputs": [[list(t.shape), str(t.dtype).removeprefix("torch.")] for t in inputs],
+        "model_config": config,
+        "dtype": str(model.lm_head.weight.dtype).removeprefix("torch."),
+        "device": state.target_cache.device.type,
+        "state": {"num_slots": state.num_slots, "max_seq_len": state.max_seq_len, "max_depth": state.draft_probs.shape[1]},
+        "constants": _layout_digest(constants(model, state)),
+        "inductor": {name: value.uuid() if isinstance(value, CustomGraphPass) else repr(value) for name, value in sorted(options.items())},
+        **environment(state.target_cache.device),
+    }
+
+
+def environment(device: torch.device | str) -> dict[str, str]:
+    """The key fields that describe this machine and installation rather than the graph."""
+    import compiled_mtp  # here, not at module level: the package imports this module while it initializes
+
+    return {
+        "target": target_arch(torch.device(device)),
+        "torch": torch.__version__,
+        "compiled_mtp": compiled_mtp.__version__,
+        "source": source_digest(),
+    }
+
+
+@functools.cache
+def source_digest() -> str:
+    """A digest of the code that is traced into the graphs. The version number alone would let a
+    package built before an edit of a step function or the model run after it."""
+    package = Path(__file__).resolve().parents[1]
+    files = sorted(p for d in SOURCES for p in (package / d).glob("*.py")) + [Path(__file__).resolve()]
+    return hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:12]
+
+
+def target_arch(device: torch.device) -> str:
+    """The instruction set the generated code is built for. On CPU Inductor compiles with
+    -march=native, so the exact feature flags matter, not just the capability level."""
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return "cuda (no GPU here)"
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"cuda sm_{major}{minor}"
+    return f"cpu {torch.backends.cpu.get_cpu_capability()} {_cpu_flags_digest()}"
+
+
+@functools.cache
+def _cpu_flags_digest() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        flags = next(line for line in lines if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = platform.processor() or platform.machine()
+    return hashlib.sha256(flags.encode()).hexdigest()[:8]
+
+
+def _layout_digest(tensors: dict[str, Tensor]) -> str:
+    """Names, shapes, strides and dtypes of the constants: the code assumes all of them."""
+    layout = "|".join(f"{n}:{tuple(t.shape)}:{t.stride()}:{t.dtype}" for n, t in sorted(tensors.items()))
+    return hashlib.sha256(layout.encode()).hexdigest()[:16]
+
+
+def build(kind: str, model: DeepseekV3, state: StaticState, inputs: tuple[Tensor, ...], package: Path, options: dict[str, Any]) -> None:
+    """Export the step with `inputs` as example step tensors and compile it into `package` (.pt2).
+
+    The live tensors are only traced with fake copies, so building leaves the model and state as they were."""
+    module = StepModule(kind, model, state)
+    ep = torch.export.export(module, tuple(inputs), strict=False)
+    with warnings.catch_warnings():  # torch 2.13's packager trips its own pytree deprecation warning
+        warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)
+        torch._inductor.aoti_compile_and_package(ep, package_path=str(package), inductor_configs={**options, **AOT_OPTIONS})
+    baked = _used_constants(ep) - set(_open(package).get_constant_fqns())
+    if baked:
+        raise ArtifactError(
+            f"{kind}: the compiled code holds a copy of {sorted(baked)[0]!r} instead of reading it, so it would "
+            "not follow other checkpoints' weights or the runtime's state (a pass folding constants?)"
+        )
+
+
+def _used_constants(ep: torch.export.ExportedProgram) -> set[str]:
+    """Names of the parameters and buffers the exported graph reads or writes."""
+    sig = ep.graph_signature
+    names = {**sig.inputs_to_parameters, **sig.inputs_to_buffers}
+    return {names[node.name] for node in ep.graph.find_nodes(op="placeholder") if node.name in names and node.users}
+
+
+def load(package: Path, model: DeepseekV3, state: StaticState) -> Callable[..., Any]:
+    """The packaged graph, reading and writing the live model's and state's tensors (no copies)."""
+    runner = _open(package)
+    live = constants(model, state)
+    wanted = runner.get_constant_fqns()
+    unknown = [name for name in wanted if name not in live]
+    if unknown:
+        raise ArtifactError(f"it needs constant {unknown[0]!r}, which this model and state do not have")
+    runner.load_constants({name: live[name] for name in wanted}, check_full_update=True, user_managed=True)
+    return runner
+
+
+def _open(package: Path) -> AOTICompiledModel:
+    """What torch._inductor.aoti_load_package does, minus its device check: that one compiles and runs
+    test programs to find the CPU's vector ISA (about 1 s on a process's first load) only to log a
+    warning, and the key's "target" field already pins the ISA."""
+    return AOTICompiledModel(torch._C._aoti.AOTIModelPackageLoader(str(package), "model", False, 1, -1))

@@ -1,0 +1,259 @@
+"""The capture cache: profiles, cache keys, AOTInductor artifacts that hold code only.
+
+One capture of the tiny profile (a 1-layer echo checkpoint, bucket 1, depth 2: four graphs) is made by
+two processes at once and shared by the module's tests; the recovery tests rebuild one or two graphs
+each in a copy of it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from compiled_mtp import Runtime, SamplingParams
+from compiled_mtp.capture import aot
+from compiled_mtp.capture.aot import environment
+from compiled_mtp.capture.cache import GraphCache
+from compiled_mtp.capture.compiler import example_inputs, graph_keys
+from compiled_mtp.capture.profile import PROFILES, ProfileError, load_profile
+from compiled_mtp.graphs.state import StaticState
+from compiled_mtp.models.checkpoint import load_model
+from compiled_mtp.passes.manager import inductor_options
+from compiled_mtp.reference import reference_generate
+from tests.factory import truncate_file, write_echo_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+PROFILE = PROFILES / "test-tiny.toml"
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [3, 4]]  # the first spans two prefill chunks
+GREEDY = {"max_new_tokens": 12, "ignore_eos": True}
+SAMPLED = {"max_new_tokens": 12, "temperature": 0.8, "top_k": 20, "seed": 3, "ignore_eos": True}
+
+# Generates PROMPTS greedily and sampled in a fresh interpreter; prints the outputs and counters.
+NEW_PROCESS = """
+import json, sys
+from compiled_mtp import Runtime, SamplingParams
+from compiled_mtp.capture.profile import load_profile
+model, profile, cache, prompts, greedy, sampled = sys.argv[1:]
+rt = Runtime.from_pretrained(model, **load_profile(profile).runtime_options(), cache_dir=cache)
+outs = [[o.token_ids for o in rt.generate(json.loads(prompts), SamplingParams(**json.loads(p)))] for p in (greedy, sampled)]
+print(json.dumps({"outputs": outs, "compiles": rt.stats()["compiles"], "loads": rt.graphs.loads}))
+"""
+
+
+def _python(*args: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc: subprocess.Popen) -> str:
+    out, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, err[-3000:]
+    return out
+
+
+def _runtime(model_dir: Path, cache: Path | None, backend: str = "inductor") -> Runtime:
+    return Runtime.from_pretrained(model_dir, **load_profile(PROFILE).runtime_options(), cache_dir=cache, compile_backend=backend)
+
+
+def _generate(rt: Runtime) -> list[list[list[int]]]:
+    return [[o.token_ids for o in rt.generate(PROMPTS, SamplingParams(**p))] for p in (GREEDY, SAMPLED)]
+
+
+def _reference(model) -> list[list[int]]:
+    return [reference_generate(model, [p], GREEDY["max_new_tokens"], 0)[0].token_ids for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> tuple[Path, Path]:
+    """Two checkpoints of one config with different weights."""
+    return tuple(write_echo_checkpoint(tmp_path_factory.mktemp(f"echo{s}"), mtp_noise=0.3, attn_scale=0.5, seed=s) for s in (1, 2))
+
+
+@pytest.fixture(scope="module")
+def captured(checkpoints, tmp_path_factory) -> tuple[Path, list[str]]:
+    """The tiny profile captured into one cache directory by two `compiled-mtp capture` processes
+    running at the same time (one per checkpoint); returns the directory and their outputs."""
+    cache = tmp_path_factory.mktemp("cache")
+    procs = [_python("-m", "compiled_mtp.cli", "capture", "--profile", str(PROFILE), "--model", str(m), "--cache-dir", str(cache)) for m in checkpoints]
+    return cache, [_finish(p) for p in procs]
+
+
+def _copy(cache: Path, dst: Path) -> Path:
+    return Path(shutil.copytree(cache, dst, ignore=shutil.ignore_patterns("locks")))
+
+
+def _package(cache: Path, kind: str) -> Path:
+    (package,) = cache.glob(f"{kind}-*.pt2")
+    return package
+
+
+# ----------------------------------------------------------------------------- profiles
+
+
+def test_shipped_profiles_load():
+    default = load_profile(PROFILES / "default-cpu.toml")
+    assert default.device == "cpu" and default.model == ROOT / "compiled_mtp" / "default_model"
+    gpu = load_profile(PROFILES / "deepseek-v3-gpu.toml")
+    assert gpu.device == "cuda" and gpu.dtype == "bfloat16" and gpu.model is None
+    tiny = load_profile(PROFILE)
+    assert graph_keys(tiny.batch_sizes, tiny.mtp_depths) == [("prefill", 1, 0), ("draft_decode", 1, 2), ("target_verify", 1, 2), ("draft_extend", 1, 2)]
+
+
+@pytest.mark.parametrize(
+    "edit, field",
+    [
+        ("", "dtype"),  # missing
+        ('dtype = "int8"', "dtype"),
+        ('dtype = "float32"\nmax_seq_len = "long"', "max_seq_len"),
+        ('dtype = "float32"\nbatch_sizes = []', "batch_sizes"),
+        ('dtype = "float32"\nmtp_depths = [true]', "mtp_depths"),
+        ('dtype = "float32"\ndevice = "gpu0"', "device"),
+        ('dtype = "float32"\nprefill_chunk = 100', "prefill_chunk"),
+        ('dtype = "float32"\nbatch_size = [1]', "batch_size"),  # unknown
+        ('dtype = "float32"\nmodel = 3', "model"),
+    ],
+)
+def test_malformed_profile_names_the_field(tmp_path, edit, field):
+    base = {"device": '"cpu"', "max_seq_len": "64", "batch_sizes": "[1]", "mtp_depths": "[1]"}
+    lines = dict(line.split(" = ", 1) for line in edit.splitlines())
+    path = tmp_path / "p.toml"
+    path.write_text("\n".join(f"{k} = {v}" for k, v in ({**base, **lines}).items()))
+    with pytest.raises(ProfileError) as e:
+        load_profile(path)
+    message = str(e.value)
+    assert "\n" not in message and str(path) in message and repr(field) in message
+
+
+def test_invalid_toml_is_one_line(tmp_path):
+    path = tmp_path / "p.toml"
+    path.write_text("dtype = \n")
+    with pytest.raises(ProfileError, match="not a valid TOML file") as e:
+        load_profile(path)
+    assert "\n" not in str(e.value)
+
+
+# ----------------------------------------------------------------------------- keys
+
+
+def _key(model_dir: Path, key=("target_verify", 1, 2), max_seq_len=64, slots=1, depth=2, chunk=8, passes=None, dtype=torch.float32):
+    model = load_model(model_dir, dtype=dtype)
+    state = StaticState(model, slots, max_seq_len, depth)
+    return aot.artifact_key(*key, model, state, example_inputs(key, model, chunk), inductor_options(passes))
+
+
+def test_key_covers_the_code_not_the_checkpoint(checkpoints, tmp_path):
+    cache = GraphCache(tmp_path)
+    one, two = checkpoints
+    base = _key(one)
+    assert _key(two) == base  # other weights, other path: same artifact
+    assert base["torch"] == torch.__version__ and base["target"].startswith("cpu ")
+    variants = [
+        _key(one, key=("target_verify", 1, 1)),
+        _key(one, key=("target_verify", 2, 2), slots=2),
+        _key(one, slots=2),  # slots = the largest bucket: the state's shape
+        _key(one, max_seq_len=32),
+        _key(one, depth=3),
+        _key(one, dtype=torch.bfloat16),
+    ]
+    stems = {cache.stem(k) for k in variants}
+    assert len(stems) == len(variants) and cache.stem(base) not in stems
+    prefill = _key(one, key=("prefill", 1, 0))
+    assert cache.stem(_key(one, key=("prefill", 1, 0), chunk=16)) != cache.stem(prefill)
+    # Another torch version: same file, found stale rather than missing.
+    assert cache.stem({**base, "torch": "0.0"}) == cache.stem(base)
+    other_config = write_echo_checkpoint(tmp_path / "wide", hidden=64, seed=1)
+    assert cache.stem(_key(other_config)) != cache.stem(base)
+
+
+# ----------------------------------------------------------------------------- the cache
+
+
+def test_concurrent_captures_build_each_graph_once(captured):
+    cache, outputs = captured
+    built = [int(re.search(r"(\d+) built", out).group(1)) for out in outputs]
+    assert sum(built) == 4, outputs  # the lock makes one process wait and load what the other built
+    assert all("[####################] 4/4" in out for out in outputs)
+    artifacts = GraphCache(cache).artifacts(environment)
+    assert sorted(a.name for a in artifacts) == ["draft_decode/B1/K2", "draft_extend/B1/K2", "prefill/B1/K0", "target_verify/B1/K2"]
+    assert all(a.status == "valid" for a in artifacts)
+    assert not [p for p in cache.iterdir() if p.name.startswith(".")]  # no temp files left
+    # Code only: each package is a few MB at most whatever the weights (echo weights: ~0.1 MB).
+    assert all(a.size < 8e6 for a in artifacts)
+
+
+def test_inspect_lists_artifacts(captured):
+    cache, _ = captured
+    out = _finish(_python("-m", "compiled_mtp.cli", "inspect", "--cache-dir", str(cache)))
+    assert f"{cache}: 4 graphs" in out
+    assert len(re.findall(r"/B1/K\d .* 2\.13\.0.* valid", out)) == 4
+
+
+def test_new_process_loads_with_zero_compiles_and_identical_output(captured, checkpoints):
+    cache, _ = captured
+    args = [json.dumps(a) for a in (PROMPTS, GREEDY, SAMPLED)]
+    result = json.loads(_finish(_python("-c", NEW_PROCESS, str(checkpoints[0]), str(PROFILE), str(cache), *args)).splitlines()[-1])
+    assert result["compiles"] == 0 and result["loads"] == 4
+    eager = _runtime(checkpoints[0], None, backend="eager")
+    assert result["outputs"] == _generate(eager)
+    assert result["outputs"][0] == _reference(eager.model)
+
+
+def test_one_artifact_serves_two_checkpoints(captured, checkpoints):
+    cache, _ = captured
+    runtimes = [_runtime(m, cache) for m in checkpoints]
+    for rt in runtimes:
+        assert _generate(rt)[0] == _reference(rt.model)
+        assert rt.stats()["compiles"] == 0 and rt.graphs.loads == 4
+    assert _generate(runtimes[0])[0] != _generate(runtimes[1])[0]
+    assert len(list(cache.glob("*.pt2"))) == 4
+
+
+def test_graphs_read_the_callers_weights_in_place(captured, checkpoints):
+    """Weights are not copied into the graphs: overwrite the live tensors and every graph follows."""
+    cache, _ = captured
+    rt = _runtime(checkpoints[0], cache)
+    _generate(rt)
+    other = load_model(checkpoints[1])
+    rt.model.load_state_dict(other.state_dict())  # copies into the existing tensors
+    assert _generate(rt)[0] == _reference(other)
+    assert rt.stats()["compiles"] == 0
+
+
+def test_corrupt_artifacts_are_reported_and_rebuilt(captured, checkpoints, tmp_path, caplog):
+    cache = _copy(captured[0], tmp_path / "cache")
+    truncate_file(_package(cache, "draft_extend"))
+    rt = _runtime(checkpoints[0], cache)
+    with caplog.at_level(logging.WARNING, logger="compiled_mtp.capture"):
+        assert _generate(rt)[0] == _reference(rt.model)
+    assert rt.stats()["compiles"] == 1 and rt.graphs.loads == 3
+    (line,) = caplog.messages
+    assert "draft_extend/B1/K2" in line and "corrupt" in line and "rebuilding" in line and "\n" not in line
+    assert all(a.status == "valid" for a in GraphCache(cache).artifacts(environment))
+
+
+def test_stale_artifacts_are_reported_and_rebuilt(captured, checkpoints, tmp_path, caplog):
+    cache = _copy(captured[0], tmp_path / "cache")
+    # Built by another torch version: the metadata says so.
+    meta = _package(cache, "target_verify").with_suffix(".json")
+    meta.write_text(meta.read_text().replace(torch.__version__, "2.0.0"))
+    assert "stale (built for torch 2.0.0" in {a.name: a.status for a in GraphCache(cache).artifacts(environment)}["target_verify/B1/K2"]
+    # Another graph at this graph's path (another config's package copied over it): never run it.
+    decode, extend = _package(cache, "draft_decode"), _package(cache, "draft_extend")
+    for suffix in (".pt2", ".json"):
+        shutil.copy(decode.with_suffix(suffix), extend.with_suffix(suffix))
+    rt = _runtime(checkpoints[0], cache)
+    with caplog.at_level(logging.WARNING, logger="compiled_mtp.capture"):
+        assert _generate(rt)[0] == _reference(rt.model)
+    assert rt.stats()["compiles"] == 2
+    extend_line, verify_line = sorted(caplog.messages)
+    assert extend_line.startswith(f"capture cache: draft_extend/B1/K2 in {cache} is stale (") and "built for kind draft_decode, not draft_extend" in extend_line
+    assert verify_line == f"capture cache: target_verify/B1/K2 in {cache} is stale (built for torch 2.0.0, not {torch.__version__}); rebuilding it"

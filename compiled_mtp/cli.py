@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from . import bench
 from .capture.aot import environment
 from .capture.cache import GraphCache
 from .capture.compiler import example_inputs, graph_keys, key_name
@@ -203,6 +204,10 @@ def main(argv: list[str] | None = None) -> None:
     i = sub.add_parser("inspect", help="list the graphs a capture cache holds")
     _add_cache_option(i, _graph_cache())
     i.set_defaults(func=cmd_inspect)
+
+    b = sub.add_parser("bench", help="acceptance and tokens/s against HF transformers and the bandwidth bound")
+    bench.add_arguments(b)
+    b.set_defaults(func=bench.run)
 
     args = parser.parse_args(argv)
     try:

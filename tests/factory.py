@@ -4,7 +4,8 @@ Checkpoints are written in the DeepSeek-V3 release layout (see DESIGN.md, "Check
 HF's `save_pretrained` writes the target model (routed experts as per-expert keys), then MTP layer i
 is added at `model.layers.{num_hidden_layers + i}.` with `enorm`, `hnorm`, `eh_proj`,
 `shared_head.norm`, `shared_head.head`, `embed_tokens` and a MoE decoder layer's keys.
-transformers is used only here, as the reference implementation.
+transformers is used only here and in compiled_mtp/hf_baseline.py (loading, generate), as the reference
+implementation.
 """
 
 from __future__ import annotations
@@ -14,8 +15,7 @@ import json
 import math
 import re
 import shutil
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +26,12 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from transformers.cache_utils import MtpCache
-from transformers.generation.candidate_generator import MTPCandidateGenerator
 from transformers.modeling_layers import MtpModel
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+
+# The HF driving code is shared with the benchmark; re-exported here for the tests.
+from compiled_mtp.hf_baseline import hf_mtp_generate, load_hf  # noqa: F401
+from compiled_mtp.hf_baseline import wrapped as _wrapped  # noqa: F401
 
 FP8_BLOCK = 128
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -441,27 +444,6 @@ def dequantize_checkpoint(src: str | Path, dst: str | Path) -> Path:
 # ----------------------------------------------------------------------------- HF oracle
 
 
-def load_hf(path: str | Path) -> DeepseekV3ForCausalLM:
-    """The checkpoint in HF transformers: fp32, eager attention, eval mode.
-
-    HF finds MTP weights through `_keys_to_ignore_on_load_unexpected`; the class attribute is set
-    to one pattern per MTP layer index for the load and restored after, and the patterns are also
-    set on the instance so that `MtpModel.from_pretrained(model)` (and `generate(use_mtp=True)`)
-    find the MTP layers later.
-    """
-    config = DeepseekV3Config.from_pretrained(path)
-    first = config.num_hidden_layers
-    patterns = [rf"model\.layers\.{first + i}\..*" for i in range(config.num_nextn_predict_layers)]
-    saved = DeepseekV3ForCausalLM._keys_to_ignore_on_load_unexpected
-    DeepseekV3ForCausalLM._keys_to_ignore_on_load_unexpected = patterns
-    try:
-        model = DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
-    finally:
-        DeepseekV3ForCausalLM._keys_to_ignore_on_load_unexpected = saved
-    model._keys_to_ignore_on_load_unexpected = patterns
-    return model.eval()
-
-
 @torch.no_grad()
 def hf_logits(model: DeepseekV3ForCausalLM, tokens: list[int]) -> Tensor:
     """Target logits [T, V] for one sequence (no cache); row t predicts tokens[t + 1]."""
@@ -507,64 +489,6 @@ def hf_mtp_draft_logits(model: DeepseekV3ForCausalLM, tokens: list[int]) -> Tens
         input_ids=ids[:, 1:],
     )
     return mtp._project_to_logits(out)[0]
-
-
-@contextmanager
-def _wrapped(cls: type, name: str, after: Callable[..., None]) -> Iterator[None]:
-    """Temporarily wrap method `cls.name` so that `after(result, *args)` sees each call."""
-    original = getattr(cls, name)
-
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        result = original(*args, **kwargs)
-        after(result, *args, **kwargs)
-        return result
-
-    setattr(cls, name, wrapper)
-    try:
-        yield
-    finally:
-        setattr(cls, name, original)
-
-
-@torch.no_grad()
-def hf_mtp_generate(
-    model: DeepseekV3ForCausalLM, prompt: list[int], max_new_tokens: int
-) -> tuple[list[int], list[int]]:
-    """Greedy `generate(use_mtp=True)`: (generated ids, accepted drafts per verification step).
-
-    HF drafts K = num_nextn_predict_layers tokens per step (one per MTP layer). Drafts are recorded
-    by wrapping `MTPCandidateGenerator.get_candidates` for the duration of the call; its first call
-    (before the prefill, no drafts) is not a step. A step's accepted count is the number of leading
-    drafts equal to the generated ids at their positions, so it counts only committed drafts; every
-    step is counted, the final one included. This equals HF's own `n_matches` except at a final
-    step whose bonus token fell past max_new_tokens, where HF's cropped count is one lower.
-    EOS stopping is off as in `hf_greedy`.
-    """
-    steps: list[tuple[int, list[int]]] = []
-
-    def record(result: tuple[Tensor, Tensor | None], _self: Any, input_ids: Tensor, *args: Any, **kw: Any) -> None:
-        start = input_ids.shape[1]
-        if result[0].shape[1] > start:
-            steps.append((start - len(prompt), result[0][0, start:].tolist()))
-
-    with _wrapped(MTPCandidateGenerator, "get_candidates", record):
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            use_mtp=True,
-            do_sample=False,
-            max_new_tokens=max_new_tokens,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    generated = out[0, len(prompt) :].tolist()
-    accepted = []
-    for start, drafts in steps:
-        count = 0
-        while count < len(drafts) and start + count < len(generated) and generated[start + count] == drafts[count]:
-            count += 1
-        accepted.append(count)
-    return generated, accepted
 
 
 # ----------------------------------------------------------------------------- bad checkpoints

@@ -1,0 +1,576 @@
+"""`compiled-mtp bench`: the engine against HF transformers and the memory-bandwidth bound, in one process.
+
+What it measures (greedy decoding throughout, the same prompts for every system):
+
+- acceptance on held-out text: for each K > 0, a fresh runtime at depth K generates from every
+  acceptance prompt; its `stats()` give the acceptance length (tokens per request and decode step)
+  and the acceptance rate per draft position;
+- tokens/s of the engine for each (K, B): one untimed run warms the key up (compiles its graphs), then
+  the best of `--runs` runs, B * new tokens / wall seconds of the whole run (prefill included). Host
+  time per iteration is stats()["host_seconds"] / decode steps over the decode-only steps of the best
+  run (every step after the first, which prefills all B prompts); its share is that over the
+  decode-only wall time per step;
+- HF transformers `generate` at each B and `generate(use_mtp=True)` at B = 1 (HF refuses batches),
+  the same way: warm-up run, best of `--runs`, whole-call wall time;
+- the memory-bandwidth bound: weight bytes one step must read (the target's parameters, counting one
+  embedding row and only the shared plus `num_experts_per_tok` routed experts of a MoE layer, plus per
+  draft step the MTP layer's, the shared LM head and one embedding row) over the measured copy bandwidth
+  gives the most steps per second; times B and the row's acceptance length it bounds tokens/s.
+
+Prompts are held-out text when the checkpoint has a tokenizer: windows of `--prompt-len` tokens one
+third into each file that scripts/train_default.py holds out, as its own acceptance measurement
+(train_log.json) takes them; else seeded random token ids. Every system gets the first B prompts at
+batch B, the acceptance measurement the first `--accept-prompts`.
+
+Results go to OUT/bench-<device type>.json (the dataclasses below, as dicts; `bound.steps_per_s` is
+keyed by K as a string) and a plot to OUT/bench-<device type>.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import sys
+import time
+import types
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from . import hf_baseline
+from .capture.compiler import BACKENDS
+from .capture.profile import DEFAULT_MODEL
+from .models.checkpoint import load_model
+from .models.deepseek_v3 import DeepseekV3, Experts
+from .runtime import DTYPES, Runtime, SamplingParams
+
+TRAIN_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_default.py"
+MATPLOTLIB_MISSING = "matplotlib is not installed: install the bench extra: pip install 'compiled_mtp[bench]'"
+
+
+# ------------------------------------------------------------------------------------------ results
+
+
+@dataclass
+class Meta:
+    """What was run, where, and on which prompts."""
+
+    model: str
+    device: str
+    device_name: str
+    dtype: str
+    backend: str
+    threads: int
+    torch: str
+    transformers: str
+    python: str
+    date: str
+    new_tokens: int
+    prompt_len: int
+    runs: int
+    depths: list[int]
+    batch_sizes: list[int]
+    prompt_source: str  # "held-out" or "random"
+    prompts: str  # where the prompts came from, for people
+    accept_prompts: int
+    hf_attention: str = ""
+    compiles: int = 0
+    recompiles: int = 0
+
+
+@dataclass
+class Acceptance:
+    """Greedy draft acceptance at depth K over the acceptance prompts."""
+
+    k: int
+    acceptance_length: float  # tokens per request and decode step, in [1, K + 1]
+    acceptance_rate: float  # accepted / drafted
+    per_position: list[float]  # acceptance rate of draft position 1..K
+    draft_tokens: int
+    accepted_tokens: int
+
+
+@dataclass
+class EngineRun:
+    """compiled_mtp at depth K and batch B."""
+
+    k: int
+    batch: int
+    tokens_per_s: float  # B * new tokens / best wall seconds (prefill included)
+    seconds: float  # best run
+    iteration_ms: float  # decode-only wall time per step of the best run
+    host_ms: float  # runtime Python outside graph calls per step
+    host_share: float  # host_ms / iteration_ms
+    acceptance_length: float  # tokens per request and decode step over the timed runs
+    decode_steps: int  # of the best run
+    bound_tokens_per_s: float = 0.0  # the memory-bandwidth bound at this K, B and acceptance length
+
+
+@dataclass
+class HFRun:
+    """HF transformers at batch B: `generate` (k = 0) or `generate(use_mtp=True)` (k = its draft count)."""
+
+    system: str
+    k: int
+    batch: int
+    tokens_per_s: float
+    seconds: float
+    acceptance_length: float | None = None  # generate(use_mtp=True) only
+    acceptance_rate: float | None = None
+
+
+@dataclass
+class Bound:
+    """Weight bytes per step over measured copy bandwidth: the most steps per second memory allows."""
+
+    copy_bytes: int  # size of the tensor copied
+    bandwidth_bytes_per_s: float  # best of 5 copies, read + written bytes over seconds
+    target_bytes: int  # read by one target forward
+    mtp_step_bytes: list[int]  # read by one draft step, per MTP layer
+    steps_per_s: dict[int, float]  # by K: bandwidth / (target + K draft steps)
+
+
+@dataclass
+class Goal:
+    """A ratio the project's goals are about; `goal` None for ratios reported for context only."""
+
+    id: str
+    name: str
+    value: float | None
+    goal: float | None
+    met: bool | None
+    detail: str
+
+
+@dataclass
+class BenchResult:
+    meta: Meta
+    acceptance: list[Acceptance]
+    engine: list[EngineRun]
+    hf: list[HFRun]
+    bound: Bound
+    goals: list[Goal]
+
+
+# ------------------------------------------------------------------------------------------ prompts
+
+
+@dataclass
+class Prompts:
+    token_ids: list[list[int]]
+    source: str  # "held-out" or "random"
+    detail: str
+
+
+def _training_script() -> types.ModuleType | None:
+    """scripts/train_default.py as a module (it defines the held-out split), or None outside a source
+    checkout. Its import sets single-thread defaults meant for training; they are undone here."""
+    if not TRAIN_SCRIPT.exists():
+        return None
+    env, path = set(os.environ), list(sys.path)
+    spec = importlib.util.spec_from_file_location("train_default", TRAIN_SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        for name in set(os.environ) - env:
+            del os.environ[name]
+        sys.path[:] = path
+    return module
+
+
+def random_prompts(vocab_size: int, count: int, length: int, seed: int = 0) -> Prompts:
+    """Seeded random token ids, for checkpoints without a tokenizer."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab_size, (count, length), generator=gen).tolist()
+    return Prompts(ids, "random", f"{count} random prompts of {length} token ids (seed {seed}): the checkpoint has no tokenizer")
+
+
+def held_out_prompts(model_dir: Path, count: int, length: int) -> Prompts | None:
+    """`count` prompts of `length` tokens from the training script's held-out files (each a window one
+    third into a file, as its acceptance measurement takes them); None without the script."""
+    script = _training_script()
+    if script is None:
+        return None
+    from tokenizers import Tokenizer  # the script's acceptance_prompts takes a `tokenizers` tokenizer
+
+    _, held = script.split(script.stdlib_files())
+    ids = script.acceptance_prompts(Tokenizer.from_file(str(model_dir / "tokenizer.json")), held, count, length)
+    if len(ids) < count:
+        raise ValueError(f"prompt-len: only {len(ids)} of {len(held)} held-out files have {3 * length} tokens, {count} prompts are needed; use a shorter --prompt-len")
+    detail = f"{count} prompts of {length} tokens from {len(held)} held-out stdlib files (scripts/train_default.py split, Python {platform.python_version()})"
+    return Prompts(ids, "held-out", detail)
+
+
+def bench_prompts(model_dir: Path, vocab_size: int, count: int, length: int) -> Prompts:
+    """Held-out text when the checkpoint has a tokenizer and the training script is here, else random ids."""
+    if not (model_dir / "tokenizer.json").exists():
+        return random_prompts(vocab_size, count, length)
+    prompts = held_out_prompts(model_dir, count, length)
+    if prompts is None:
+        prompts = random_prompts(vocab_size, count, length)
+        prompts.detail = f"{count} random prompts of {length} token ids: {TRAIN_SCRIPT} (the held-out split) is not here"
+    return prompts
+
+
+# ------------------------------------------------------------------------------------------ engine
+
+
+def _sync(device: str) -> None:
+    """Wait for queued device work, so wall clocks measure it."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class _Timing:
+    seconds: float
+    decode_seconds: float
+    decode_steps: int
+    host_seconds: float
+
+
+def _generate(rt: Runtime, prompts: list[list[int]], params: SamplingParams) -> _Timing:
+    """Run `prompts` to completion through `step()`. They all fit the largest bucket, so the first step
+    prefills every prompt and the later ones only decode: those give the per-iteration figures."""
+    start = time.perf_counter()
+    for prompt in prompts:
+        rt.add_request(prompt, params)
+    rt.step()
+    before, first = rt.stats(), time.perf_counter()
+    while rt.has_unfinished():
+        rt.step()
+    end, after = time.perf_counter(), rt.stats()
+    return _Timing(end - start, end - first, after["decode_steps"] - before["decode_steps"], after["host_seconds"] - before["host_seconds"])
+
+
+def measure_acceptance(rt: Runtime, prompts: list[list[int]], new_tokens: int) -> Acceptance:
+    """Greedy acceptance at the runtime's depth; `rt` must be fresh, since stats() accumulate."""
+    rt.generate(prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+    s = rt.stats()
+    rate = s["accepted_tokens"] / s["draft_tokens"] if s["draft_tokens"] else 0.0
+    return Acceptance(rt.mtp_depth, s["acceptance_length"], rate, s["acceptance_rate_per_position"], s["draft_tokens"], s["accepted_tokens"])
+
+
+def time_engine(rt: Runtime, prompts: list[list[int]], new_tokens: int, runs: int) -> EngineRun:
+    """The best of `runs` runs, after one that warms the key (B, K) up (it may compile its graphs)."""
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    _generate(rt, prompts, params)
+    drafted = rt.stats()["draft_tokens"]
+    timings = [_generate(rt, prompts, params) for _ in range(runs)]
+    k, b = rt.mtp_depth, len(prompts)
+    acceptance_length = 1.0
+    if k:
+        # Every request emits new_tokens - 1 tokens in decode steps (the first comes from its prefill),
+        # and each request-step at depth K drafts K tokens.
+        request_steps = (rt.stats()["draft_tokens"] - drafted) / k
+        acceptance_length = b * (new_tokens - 1) * runs / request_steps
+    best = min(timings, key=lambda t: t.seconds)
+    iteration = best.decode_seconds / best.decode_steps
+    host = best.host_seconds / best.decode_steps
+    return EngineRun(
+        k, b, b * new_tokens / best.seconds, best.seconds, 1e3 * iteration, 1e3 * host, host / iteration, acceptance_length, best.decode_steps
+    )
+
+
+def bench_engine(model: DeepseekV3, prompts: Prompts, args: argparse.Namespace) -> tuple[list[Acceptance], list[EngineRun], int, int]:
+    """Acceptance and timings for every depth, each depth on its own runtime (so its stats() hold only
+    that depth). Returns (acceptance, runs, compiles, recompiles)."""
+    acceptance, runs, compiles, recompiles = [], [], 0, 0
+    for k in args.depths:
+        rt = Runtime(
+            model, mtp_depth=k, batch_sizes=args.batch_sizes, max_seq_len=args.prompt_len + args.new_tokens,
+            prefill_chunk=min(64, args.prompt_len),  # the runtime's default chunk, which must fit max_seq_len
+            compile_backend=args.backend, cache_dir=args.cache_dir,
+        )
+        if k > 0:
+            acceptance.append(measure_acceptance(rt, prompts.token_ids[: args.accept_prompts], args.new_tokens))
+            print(f"  K={k}: acceptance length {acceptance[-1].acceptance_length:.2f}", flush=True)
+        for b in args.batch_sizes:
+            runs.append(time_engine(rt, prompts.token_ids[:b], args.new_tokens, args.runs))
+            print(f"  K={k} B={b}: {runs[-1].tokens_per_s:.1f} tok/s", flush=True)
+        stats = rt.stats()
+        compiles, recompiles = compiles + stats["compiles"], recompiles + stats["recompiles"]
+    return acceptance, runs, compiles, recompiles
+
+
+# ------------------------------------------------------------------------------------------ HF
+
+
+def _best_of(runs: int, device: str, fn: Callable[[], object]) -> float:
+    """Seconds of the fastest of `runs` calls, after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def bench_hf(path: Path, prompts: list[list[int]], args: argparse.Namespace) -> tuple[list[HFRun], str]:
+    """HF `generate` at every B and `generate(use_mtp=True)` at B = 1, in HF's default attention.
+    Returns the runs and the attention implementation used."""
+    model = hf_baseline.load_hf(path, dtype=DTYPES[args.dtype], device=args.device, attn_implementation=None)
+    n = args.new_tokens
+    rows = []
+    for b in args.batch_sizes:
+        seconds = _best_of(args.runs, args.device, lambda: hf_baseline.hf_generate(model, prompts[:b], n))
+        rows.append(HFRun("generate", 0, b, b * n / seconds, seconds))
+        print(f"  HF generate B={b}: {rows[-1].tokens_per_s:.1f} tok/s", flush=True)
+    k = model.config.num_nextn_predict_layers
+    if k and max(args.depths) > 0:
+        outputs = []
+        seconds = _best_of(args.runs, args.device, lambda: outputs.append(hf_baseline.hf_mtp_generate(model, prompts[0], n)))
+        accepted = outputs[-1][1]  # greedy: every run accepts the same drafts
+        # As for the engine: the n - 1 tokens after the prefill's, per verification step.
+        rows.append(HFRun("generate(use_mtp=True)", k, 1, n / seconds, seconds, (n - 1) / len(accepted), sum(accepted) / (k * len(accepted))))
+        print(f"  HF generate(use_mtp=True) B=1: {rows[-1].tokens_per_s:.1f} tok/s", flush=True)
+    return rows, model.config._attn_implementation
+
+
+# ------------------------------------------------------------------------------------------ bound
+
+
+def _layer_bytes(layer: torch.nn.Module, num_experts_per_tok: int) -> int:
+    """Weight bytes one token reads from a decoder layer: all of them except the routed experts, of
+    which it reads only the `num_experts_per_tok` it is routed to."""
+    total = 0
+    for module in layer.modules():
+        own = sum(p.nbytes for p in module.parameters(recurse=False))
+        total += own * num_experts_per_tok // module.gate_proj.shape[0] if isinstance(module, Experts) else own
+    return total
+
+
+def weight_bytes(model: DeepseekV3) -> tuple[int, list[int]]:
+    """(bytes one target forward reads, bytes one draft step reads per MTP layer), in the runtime dtype.
+    A token reads one embedding row; a draft step also projects through the shared LM head."""
+    cfg, layers = model.cfg, model.model.layers
+    row = model.model.embed_tokens.weight[0].nbytes
+    head = model.lm_head.weight.nbytes
+    norm = model.model.norm.weight.nbytes
+    k = cfg.num_experts_per_tok or 0
+    target = row + sum(_layer_bytes(layer, k) for layer in layers[: cfg.num_hidden_layers]) + norm + head
+    mtp = [row + _layer_bytes(layer, k) + head for layer in layers[cfg.num_hidden_layers :]]
+    return target, mtp
+
+
+def copy_bandwidth(device: str, megabytes: int, runs: int = 5) -> float:
+    """Bytes per second of the fastest of `runs` copies of a `megabytes` tensor, counting each byte read
+    and written (as STREAM's Copy does): what streaming the weights can hope for at best."""
+    src = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(runs):
+        _sync(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.nbytes / best
+
+
+def bandwidth_bound(target: int, mtp: list[int], bandwidth: float, copy_bytes: int, depths: list[int]) -> Bound:
+    """Depth j drafts with MTP layer j % (number of layers), as the engine does."""
+    steps = {k: bandwidth / (target + sum(mtp[j % len(mtp)] for j in range(k))) for k in depths}
+    return Bound(copy_bytes, bandwidth, target, mtp, steps)
+
+
+# ------------------------------------------------------------------------------------------ report
+
+
+def _engine_row(runs: list[EngineRun], k: int, b: int) -> EngineRun | None:
+    return next((r for r in runs if r.k == k and r.batch == b), None)
+
+
+def _speedup_goal(runs: list[EngineRun], b: int, goal: float) -> Goal:
+    name = f"best K vs K=0 at B={b}"
+    base = _engine_row(runs, 0, b)
+    rows = [r for r in runs if r.batch == b]
+    if base is None:
+        return Goal(f"speedup_b{b}", name, None, goal, None, f"not measured (needs K=0 and B={b})")
+    best = max(rows, key=lambda r: r.tokens_per_s)
+    value = best.tokens_per_s / base.tokens_per_s
+    return Goal(f"speedup_b{b}", name, value, goal, value >= goal, f"K={best.k}: {best.tokens_per_s:.1f} vs {base.tokens_per_s:.1f} tok/s")
+
+
+def goals(result: BenchResult) -> list[Goal]:
+    """The ratios the issue's goals are about, then best K against HF generate at each B for context."""
+    out = [_speedup_goal(result.engine, 1, 2.0), _speedup_goal(result.engine, 4, 1.5)]
+    hf_mtp = next((h for h in result.hf if h.k > 0), None)
+    best1 = max((r for r in result.engine if r.batch == 1), key=lambda r: r.tokens_per_s, default=None)
+    name = "best K at B=1 vs HF generate(use_mtp=True)"
+    if hf_mtp and best1:
+        value = best1.tokens_per_s / hf_mtp.tokens_per_s
+        out.append(Goal("vs_hf_mtp_b1", name, value, 5.0, value >= 5.0, f"K={best1.k}: {best1.tokens_per_s:.1f} vs {hf_mtp.tokens_per_s:.1f} tok/s"))
+    else:
+        out.append(Goal("vs_hf_mtp_b1", name, None, 5.0, None, "not measured (needs B=1 and a depth > 0)"))
+    k1 = next((a for a in result.acceptance if a.k == 1), None)
+    if k1:
+        out.append(Goal("k1_acceptance", "K=1 acceptance", k1.acceptance_rate, 0.7, k1.acceptance_rate >= 0.7, f"{k1.accepted_tokens} of {k1.draft_tokens} drafts"))
+    else:
+        out.append(Goal("k1_acceptance", "K=1 acceptance", None, 0.7, None, "not measured (needs K=1)"))
+    for h in result.hf:
+        best = max((r for r in result.engine if r.batch == h.batch), key=lambda r: r.tokens_per_s, default=None)
+        if h.k == 0 and best:
+            value = best.tokens_per_s / h.tokens_per_s
+            out.append(Goal(f"vs_hf_generate_b{h.batch}", f"best K vs HF generate at B={h.batch}", value, None, None, f"K={best.k}: {best.tokens_per_s:.1f} vs {h.tokens_per_s:.1f} tok/s"))
+    return out
+
+
+def print_report(r: BenchResult) -> None:
+    """The tables and the goals, for people."""
+    m, bound = r.meta, r.bound
+    print(f"\ncompiled_mtp bench: {m.model}")
+    print(f"device: {m.device} ({m.device_name}); {m.dtype}; backend {m.backend}; {m.new_tokens} new tokens, greedy; best of {m.runs}")
+    print(f"prompts: {m.prompts}")
+    print(f"\nacceptance on {m.accept_prompts} prompts")
+    print(f"{'K':>3}{'acc len':>9}{'rate':>7}  per position")
+    for a in r.acceptance:
+        print(f"{a.k:>3}{a.acceptance_length:>9.2f}{a.acceptance_rate:>7.2f}  " + " ".join(f"{p:.2f}" for p in a.per_position))
+    print(f"\n{'system':<30}{'B':>3}{'tok/s':>10}{'bound':>10}{'ms/iter':>9}{'host ms':>9}{'host %':>8}{'acc len':>9}")
+    for e in r.engine:
+        print(
+            f"{'compiled_mtp K=' + str(e.k):<30}{e.batch:>3}{e.tokens_per_s:>10.1f}{e.bound_tokens_per_s:>10.0f}{e.iteration_ms:>9.2f}"
+            f"{e.host_ms:>9.3f}{100 * e.host_share:>8.1f}{e.acceptance_length:>9.2f}"
+        )
+    for h in r.hf:
+        acc = f"{'':>36}{h.acceptance_length:>9.2f}" if h.acceptance_length is not None else ""
+        print(f"{'HF ' + h.system:<30}{h.batch:>3}{h.tokens_per_s:>10.1f}{acc}")
+    print(
+        f"\nbound: copy bandwidth {bound.bandwidth_bytes_per_s / 1e9:.1f} GB/s; weights read per target forward "
+        f"{bound.target_bytes / 1e6:.2f} MB, per draft step {', '.join(f'{x / 1e6:.2f}' for x in bound.mtp_step_bytes) or '-'} MB; "
+        + ", ".join(f"K={k}: {s:.0f} steps/s" for k, s in bound.steps_per_s.items())
+    )
+    print(f"compiles {m.compiles}, recompiles {m.recompiles}")
+    print("\ngoals:")
+    for g in r.goals:
+        value = "n/a" if g.value is None else f"{100 * g.value:.0f}%" if g.id == "k1_acceptance" else f"{g.value:.2f}x"
+        target = "" if g.goal is None else f"goal >= {100 * g.goal:.0f}%" if g.id == "k1_acceptance" else f"goal >= {g.goal:g}x"
+        verdict = "" if g.met is None else "met" if g.met else "NOT met"
+        print(f"  {g.name:<44}{value:>8}  {target:<13}{verdict:<8}{g.detail}")
+
+
+def plot(r: BenchResult, path: Path) -> None:
+    """tokens/s against K, one colour per batch size: the engine (solid), its bandwidth bound (dotted),
+    HF generate (dashed, flat in K) and HF generate(use_mtp=True) (a star at its draft count)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for i, b in enumerate(r.meta.batch_sizes):
+        rows = [e for e in r.engine if e.batch == b]
+        ks = [e.k for e in rows]
+        color = f"C{i}"
+        ax.plot(ks, [e.tokens_per_s for e in rows], "o-", color=color, label=f"compiled_mtp B={b}")
+        ax.plot(ks, [e.bound_tokens_per_s for e in rows], ":", color=color, label=f"bandwidth bound B={b}")
+        for h in r.hf:
+            if h.batch == b and h.k == 0:
+                ax.axhline(h.tokens_per_s, ls="--", color=color, label=f"HF generate B={b}")
+            elif h.batch == b:
+                ax.plot([h.k], [h.tokens_per_s], "*", color=color, markersize=12, label=f"HF generate(use_mtp=True) B={b}")
+    ax.set_yscale("log")
+    ax.set_xticks(r.meta.depths)
+    ax.set_xlabel("MTP depth K (draft tokens per step)")
+    ax.set_ylabel("tokens/s (greedy)")
+    ax.set_title(f"{Path(r.meta.model).name}: {r.meta.device_name}, {r.meta.dtype}, {r.meta.new_tokens} new tokens", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------ command
+
+
+def device_name(device: str) -> str:
+    """The GPU's name, or the CPU's model and the threads torch uses."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_name(device)
+    cpu = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if line.startswith("model name")), cpu)
+    return f"CPU {cpu}, {torch.get_num_threads()} threads"
+
+
+def _check(args: argparse.Namespace) -> None:
+    """One-line errors for options that would fail only after minutes of measuring."""
+    if not args.depths or min(args.depths) < 0:
+        raise ValueError(f"depths: must be integers >= 0, got {args.depths}")
+    if not args.batch_sizes or min(args.batch_sizes) < 1:
+        raise ValueError(f"batch-sizes: must be integers >= 1, got {args.batch_sizes}")
+    if args.runs < 1:
+        raise ValueError(f"runs: must be >= 1, got {args.runs}")
+    if args.new_tokens < max(args.depths) + 3:
+        # K + 3 tokens make every request decode at least two steps, whatever it accepts: the first step
+        # also prefills, so the per-iteration figures need a second.
+        raise ValueError(f"new-tokens: must be >= max depth + 3 = {max(args.depths) + 3}, got {args.new_tokens}")
+    if args.prompt_len < 1 or args.accept_prompts < 1 or args.copy_mb < 1:
+        raise ValueError("prompt-len, accept-prompts and copy-mb: must be >= 1")
+    if not (args.model / "config.json").exists():
+        raise ValueError(f"model: {args.model} has no config.json")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `compiled-mtp bench`."""
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="checkpoint directory (default: the shipped default model)")
+    parser.add_argument("--cache-dir", type=Path, help="capture cache directory (default: none, compile in-process)")
+    parser.add_argument("--backend", default="inductor", choices=BACKENDS, help="eager runs the step functions uncompiled")
+    parser.add_argument("--dtype", default="float32", choices=tuple(DTYPES), help="engine and HF dtype (default: float32)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
+    parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per request (default: 128)")
+    parser.add_argument("--depths", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="MTP depths K (default: 0 1 2 3 4)")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16], help="batch sizes B (default: 1 4 16)")
+    parser.add_argument("--runs", type=int, default=3, help="timed runs per row after a warm-up; the best counts (default: 3)")
+    parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (default: 64)")
+    parser.add_argument("--accept-prompts", type=int, default=24, help="prompts for the acceptance measurement (default: 24)")
+    parser.add_argument("--copy-mb", type=int, default=256, help="tensor size for the copy-bandwidth measurement (default: 256)")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks"), help="directory for bench-<device>.json and .png (default: benchmarks)")
+
+
+def run(args: argparse.Namespace) -> None:
+    """Run the whole benchmark, print the report and write the JSON and the plot."""
+    _check(args)
+    try:
+        hf_version = hf_baseline.transformers_version()
+        import matplotlib  # noqa: F401  (checked now, not after the measurements)
+    except ModuleNotFoundError as e:
+        raise SystemExit(f"error: {MATPLOTLIB_MISSING if e.name == 'matplotlib' else e}") from None
+    args.depths, args.batch_sizes = sorted(set(args.depths)), sorted(set(args.batch_sizes))
+    model = load_model(args.model, dtype=DTYPES[args.dtype], device=args.device, with_mtp=max(args.depths) > 0)
+    prompts = bench_prompts(args.model, model.cfg.vocab_size, max(args.accept_prompts, max(args.batch_sizes)), args.prompt_len)
+    meta = Meta(
+        model=str(args.model), device=args.device, device_name=device_name(args.device), dtype=args.dtype, backend=args.backend,
+        threads=torch.get_num_threads(), torch=torch.__version__, transformers=hf_version, python=platform.python_version(),
+        date=datetime.datetime.now().isoformat(timespec="seconds"), new_tokens=args.new_tokens, prompt_len=args.prompt_len,
+        runs=args.runs, depths=args.depths, batch_sizes=args.batch_sizes, prompt_source=prompts.source, prompts=prompts.detail,
+        accept_prompts=args.accept_prompts,
+    )
+    print(f"benchmarking {args.model} on {meta.device_name}; prompts: {prompts.detail}", flush=True)
+    target_bytes, mtp_bytes = weight_bytes(model)
+    acceptance, engine, meta.compiles, meta.recompiles = bench_engine(model, prompts, args)
+    del model  # HF loads its own copy next
+    hf, meta.hf_attention = bench_hf(args.model, prompts.token_ids, args)
+    bandwidth = copy_bandwidth(args.device, args.copy_mb)
+    bound = bandwidth_bound(target_bytes, mtp_bytes, bandwidth, args.copy_mb * 2**20, args.depths)
+    for e in engine:
+        e.bound_tokens_per_s = e.batch * e.acceptance_length * bound.steps_per_s[e.k]
+    result = BenchResult(meta, acceptance, engine, hf, bound, [])
+    result.goals = goals(result)
+    print_report(result)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"bench-{torch.device(args.device).type}"
+    stem.with_suffix(".json").write_text(json.dumps(asdict(result), indent=1) + "\n")
+    plot(result, stem.with_suffix(".png"))
+    print(f"\nwrote {stem.with_suffix('.json')} and {stem.with_suffix('.png')}")

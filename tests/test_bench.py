@@ -1,0 +1,95 @@
+"""`compiled-mtp bench` end to end on a tiny checkpoint: every section of the JSON, sane values, the plot.
+
+Uncompiled graphs and a few tokens keep it fast; the figures themselves mean nothing here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from compiled_mtp import bench
+from compiled_mtp.capture.profile import DEFAULT_MODEL
+from tests.factory import write_echo_checkpoint
+
+DEPTHS, BATCHES = (0, 1, 2), (1, 2)
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
+    """One bench run on a 2-layer echo checkpoint (no tokenizer: seeded random prompts)."""
+    model = write_echo_checkpoint(tmp_path_factory.mktemp("echo"), num_layers=2, mtp_noise=0.3)
+    out = tmp_path_factory.mktemp("bench")
+    bench.run(_args(
+        "--model", str(model), "--backend", "eager", "--new-tokens", "8", "--runs", "1", "--prompt-len", "8",
+        "--accept-prompts", "3", "--copy-mb", "16", "--out", str(out),
+        "--depths", *map(str, DEPTHS), "--batch-sizes", *map(str, BATCHES),
+    ))  # fmt: skip
+    return json.loads((out / "bench-cpu.json").read_text()), out
+
+
+def test_json_has_every_section(result):
+    data, _ = result
+    assert set(data) == {"meta", "acceptance", "engine", "hf", "bound", "goals"}
+    meta = data["meta"]
+    assert meta["device"] == "cpu" and meta["device_name"].startswith("CPU")
+    assert meta["prompt_source"] == "random" and meta["recompiles"] == 0
+    assert [a["k"] for a in data["acceptance"]] == [k for k in DEPTHS if k > 0]
+    assert {(e["k"], e["batch"]) for e in data["engine"]} == {(k, b) for k in DEPTHS for b in BATCHES}
+    assert {(h["system"], h["batch"]) for h in data["hf"]} == {("generate", b) for b in BATCHES} | {("generate(use_mtp=True)", 1)}
+    assert {g["id"] for g in data["goals"]} >= {"speedup_b1", "speedup_b4", "vs_hf_mtp_b1", "k1_acceptance"}
+
+
+def test_values_are_sane(result):
+    data, _ = result
+    for a in data["acceptance"]:
+        assert len(a["per_position"]) == a["k"]
+        assert all(0 <= p <= 1 for p in a["per_position"]) and 0 <= a["acceptance_rate"] <= 1
+        assert 1 <= a["acceptance_length"] <= a["k"] + 1
+    for e in data["engine"]:
+        assert e["tokens_per_s"] > 0 and e["iteration_ms"] > 0 and 0 <= e["host_share"] <= 1
+        assert 1 <= e["acceptance_length"] <= e["k"] + 1
+        assert e["bound_tokens_per_s"] > 0
+    assert all(h["tokens_per_s"] > 0 for h in data["hf"])
+    bound = data["bound"]
+    assert bound["bandwidth_bytes_per_s"] > 0 and bound["target_bytes"] > 0 and len(bound["mtp_step_bytes"]) == 1
+    steps = [bound["steps_per_s"][str(k)] for k in DEPTHS]
+    assert steps == sorted(steps, reverse=True)  # each draft step reads more weights
+    goals = {g["id"]: g for g in data["goals"]}
+    assert goals["speedup_b1"]["value"] >= 1  # best K includes K=0
+    assert goals["speedup_b4"]["value"] is None  # B=4 was not run
+
+
+def test_plot_is_written(result):
+    _, out = result
+    assert (out / "bench-cpu.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_weight_bytes_count_only_the_routed_experts_a_token_uses(echo_checkpoint):
+    from compiled_mtp.models.checkpoint import load_model
+
+    model = load_model(echo_checkpoint)
+    cfg = model.cfg
+    target, (mtp,) = bench.weight_bytes(model)
+    everything = sum(p.nbytes for p in model.parameters())
+    experts = sum(layer.mlp.experts.gate_proj.nbytes * 3 for layer in model.model.layers)
+    unused = experts * (cfg.n_routed_experts - cfg.num_experts_per_tok) // cfg.n_routed_experts
+    embed_unread = model.model.embed_tokens.weight.nbytes - model.model.embed_tokens.weight[0].nbytes
+    # Every parameter once, less unused experts and embedding rows; the draft step reads the head again.
+    assert target + mtp == everything - unused - embed_unread + model.model.embed_tokens.weight[0].nbytes + model.lm_head.weight.nbytes
+
+
+@pytest.mark.skipif(not (DEFAULT_MODEL / "tokenizer.json").exists(), reason="the default model is not shipped yet")
+def test_default_model_prompts_are_held_out_text():
+    prompts = bench.bench_prompts(DEFAULT_MODEL, 0, 16, 32)
+    assert prompts.source == "held-out"
+    assert len(prompts.token_ids) == 16 and {len(p) for p in prompts.token_ids} == {32}

@@ -12,7 +12,7 @@ from . import bench
 from .capture.aot import environment
 from .capture.cache import GraphCache
 from .capture.compiler import example_inputs, graph_keys, key_name
-from .capture.profile import PROFILES, Profile, ProfileError, load_profile
+from .capture.profile import DEFAULT_MODEL, PROFILES, Profile, ProfileError, load_profile
 from .models.config import CheckpointError
 from .models.synthetic import PRESETS, preset_config, write_random_checkpoint
 from .runtime import Runtime, SamplingParams
@@ -66,11 +66,11 @@ def cmd_generate(args: argparse.Namespace) -> None:
         options |= {"mtp_depth": args.mtp_depth, "mtp_depths": (*options.get("mtp_depths", ()), args.mtp_depth)}
     rt = Runtime.from_pretrained(args.model, **options)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    prompt = _parse_ids(args.prompt)
+    prompt = _parse_ids(args.prompt) if args.ids or rt.tokenizer is None else args.prompt
     rt.generate([prompt], params)  # the first run compiles the graphs or loads them from the cache
     start = time.perf_counter()
     out = rt.generate([prompt], params)[0]
-    print(" ".join(map(str, out.token_ids)))
+    print(args.prompt + out.text if out.text is not None else " ".join(map(str, out.token_ids)))
     print(f"finish_reason={out.finish_reason} drafted={out.num_draft_tokens} accepted={out.num_accepted_tokens}")
     _report(rt, [out], time.perf_counter() - start)
 
@@ -80,33 +80,29 @@ def cmd_random_checkpoint(args: argparse.Namespace) -> None:
     print(f"wrote a random {args.preset!r} DeepSeek-V3 checkpoint to {path}")
 
 
+DEMO_PROMPT = "def read_config(path):\n    \"\"\"Return the parsed configuration file at *path*.\"\"\"\n"
+
+
 def cmd_demo(args: argparse.Namespace) -> None:
     profile = load_profile(PROFILES / "default-cpu.toml")
-    model = profile.model
-    if not (model / "config.json").exists():  # until the trained default model ships
-        model = _user_cache() / "demo-tiny-random"
-        if not (model / "config.json").exists():
-            write_random_checkpoint(model, preset_config("tiny"), seed=0)
-            print(f"built a tiny random DeepSeek-V3 checkpoint with one MTP layer in {model}")
-        print("(random weights: the MTP layer is untrained, so acceptance is near zero)")
     options = _engine_options(args, profile) | {"mtp_depths": (0, 3)}
-    rt = Runtime.from_pretrained(model, **options)
+    rt = Runtime.from_pretrained(profile.model, **options)
+    print(f"model: {profile.model} (DeepSeek-V3 architecture, {rt.model.cfg.num_hidden_layers} layers + 1 MTP layer)")
     if rt.graphs.cache:
         print(f"capture cache: {rt.graphs.cache.root} (the first run builds the graphs, later runs load them)")
-    prompt = list(range(1, 17))
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     for depth in (0, 3):
         rt.mtp_depth = depth
         start, compiles, loads = time.perf_counter(), rt.graphs.compiles, rt.graphs.loads
-        rt.generate([prompt], SamplingParams(max_new_tokens=4, ignore_eos=True))
+        rt.generate([DEMO_PROMPT], SamplingParams(max_new_tokens=4, ignore_eos=True))
         print(
             f"  K={depth}: graphs ready in {time.perf_counter() - start:.1f} s "
             f"({rt.graphs.compiles - compiles} compiled, {rt.graphs.loads - loads} loaded from the cache)"
         )
         start = time.perf_counter()
-        outs = rt.generate([prompt], params)
+        outs = rt.generate([DEMO_PROMPT], params)
         _report(rt, outs, time.perf_counter() - start)
-    print("generated:", " ".join(map(str, outs[0].token_ids)))
+    print("generated (K=3, greedy):\n" + DEMO_PROMPT + outs[0].text)
 
 
 def cmd_capture(args: argparse.Namespace) -> None:
@@ -168,9 +164,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="compiled-mtp", description="MTP speculative decoding on captured torch.compile graphs")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="generate from token ids")
-    g.add_argument("prompt", help="token ids, e.g. '1 2 3'")
-    g.add_argument("--model", required=True, type=Path)
+    g = sub.add_parser("generate", help="generate from a prompt")
+    g.add_argument("prompt", help="text (when the model has a tokenizer) or token ids, e.g. '1 2 3' with --ids")
+    g.add_argument("--ids", action="store_true", help="the prompt is token ids")
+    g.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="checkpoint directory (default: the shipped model)")
     g.add_argument("--profile", type=Path, help="take buckets, depths and engine settings from a capture profile")
     g.add_argument("--mtp-depth", type=int, help="default: 3, or the profile's largest depth")
     g.add_argument("--max-new-tokens", type=int, default=64)
@@ -188,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--seed", type=int, default=0)
     r.set_defaults(func=cmd_random_checkpoint)
 
-    d = sub.add_parser("demo", help="generate with and without MTP on a small model")
+    d = sub.add_parser("demo", help="generate with and without MTP on the shipped model")
     d.add_argument("--max-new-tokens", type=int, default=64)
     _add_engine_options(d)
     _add_cache_option(d, _graph_cache())

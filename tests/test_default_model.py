@@ -26,26 +26,9 @@ DEFAULT = Path(compiled_mtp.__file__).parent / "default_model"
 MAX_BYTES = 40_000_000
 EOT = "<|endoftext|>"
 
-# Not standard-library text (so held out whatever the Python version): the acceptance guard's prompt.
-PROMPT = '''import os
-
-
-class Cache:
-    """A small least-recently-used cache."""
-
-    def __init__(self, size=128):
-        self.size = size
-        self.data = {}
-
-    def get(self, key, default=None):
-        if key not in self.data:
-            return default
-        value = self.data.pop(key)
-        self.data[key] = value
-        return value
-
-    def set(self, key, value):
-'''
+# Not standard-library text (so held out whatever the Python version): the acceptance guard's prompt,
+# the sample scripts/train_default.py generates from and records in the shipped training log.
+PROMPT = json.loads((DEFAULT / "train_log.json").read_text())["samples"][0]["prompt"]
 # Regression guards, half of what the shipped model measured (fp32 compute from its bf16 weights). On held-out
 # stdlib prefixes scripts/train_default.py measured K=1 acceptance 0.878 (train_log.json). With the MTP layer
 # re-initialised, or eh_proj's concat order swapped, both numbers fall below 0.05.

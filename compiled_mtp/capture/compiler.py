@@ -174,7 +174,3 @@ class CompiledGraphs:
             self.cache.store(akey, build, key_name(key))
             self.compiles += 1
             return aot.load(self.cache.package(akey), self.model, self.state)
-
-    @property
-    def keys(self) -> list[GraphKey]:
-        return list(self._graphs)

@@ -17,8 +17,6 @@ from .metadata import block_positions, cache_rows, gather_rows
 from .sampling import draft_sample, processed_probs, rejection_sample, sample_from_probs
 from .state import StaticState
 
-KINDS = ("prefill", "draft_decode", "target_verify", "draft_extend")
-
 
 def _params(state: StaticState, slots: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return state.temperature[slots], state.top_k[slots], state.top_p[slots]

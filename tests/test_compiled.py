@@ -70,11 +70,18 @@ def test_mixed_workload_after_warmup_triggers_no_recompile(noisy_echo):
 
 
 def test_inductor_graphs_equal_the_reference(tmp_path):
-    """Real Inductor code for every kind at K = 2, buckets 1 and 2 (a 1-layer model keeps compile short)."""
+    """Real Inductor code with every custom pass, for every kind at K = 2, buckets 1 and 2 (a 1-layer
+    model keeps compile short): greedy output equals the reference, sampled output the eager steps."""
     model = load_model(write_echo_checkpoint(tmp_path, mtp_noise=0.3, attn_scale=0.5, seed=4))
     rt = Runtime(model, mtp_depth=2, batch_sizes=(1, 2), max_seq_len=48, compile_backend="inductor", prefill_chunk=8)
     prompts = _prompts(3, seed=5)
     outs = rt.generate(prompts, PARAMS)
     assert [o.token_ids for o in outs] == _expected(model, prompts)
+    sampled = [
+        SamplingParams(max_new_tokens=10, temperature=t, top_k=tk, top_p=tp, seed=s, ignore_eos=True)
+        for t, tk, tp, s in [(0.8, 0, 1.0, 1), (1.0, 5, 1.0, 2), (1.2, 0, 0.9, 3)]
+    ]
+    eager = Runtime(model, mtp_depth=2, batch_sizes=(1, 2), max_seq_len=48, compile_backend="eager", prefill_chunk=8)
+    assert [o.token_ids for o in rt.generate(prompts, sampled)] == [o.token_ids for o in eager.generate(prompts, sampled)]
     stats = rt.stats()
     assert stats["compiles"] == 1 + 2 * 3 and stats["recompiles"] == 0

@@ -401,3 +401,44 @@ def test_compiled_matches_eager():
     assert torch.equal(actual[0], expected[0])
     assert torch.equal(actual[1], expected[1])
     torch.testing.assert_close(actual[2], expected[2], rtol=1e-5, atol=1e-6)
+
+
+# --- the fused verify op ---------------------------------------------------------------------
+
+
+@st.composite
+def verify_cases(draw):
+    """Everything verify_sample reads, drawn: logits [B, K+1, V] with ties, mixed per-request
+    parameters, drafts that are the target's argmax or anything, q one-hot (greedy drafts) or spread."""
+    batch, k, vocab = draw(st.integers(1, 4)), draw(st.integers(0, 3)), draw(st.integers(1, 30))
+    seed = draw(st.integers(0, 2**31 - 1))
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(batch, k + 1, vocab, generator=gen) * 3
+    if draw(st.booleans()):
+        logits = logits.round()  # exact ties
+    params = draw(
+        st.lists(
+            st.tuples(st.sampled_from([0.0, 0.5, 1.0, 2.0]), st.integers(0, vocab + 1), st.sampled_from([1.0, 0.9, 0.5, 0.05])),
+            min_size=batch,
+            max_size=batch,
+        )
+    )
+    temperature, top_k, top_p = (torch.tensor(v) for v in zip(*params))
+    q = torch.softmax(torch.randn(batch, k, vocab, generator=gen) * 3, dim=-1)
+    if draw(st.booleans()):
+        q = torch.zeros_like(q).scatter(-1, q.argmax(-1, keepdim=True), 1.0)
+    drafts = torch.where(
+        torch.rand(batch, k, generator=gen) < 0.6, logits[:, :k].argmax(-1), torch.randint(0, vocab, (batch, k), generator=gen)
+    )
+    noise = torch.tensor(draw(st.lists(uniforms, min_size=batch * (k + 1), max_size=batch * (k + 1)))).view(batch, k + 1)
+    return logits, temperature.float(), top_k.long(), top_p.float(), drafts, q, noise
+
+
+@SETTINGS
+@given(verify_cases())
+def test_fused_verify_op_gives_the_traced_tokens(case):
+    from compiled_mtp.graphs.sampling import verify_sample
+    from compiled_mtp.passes.kernels.verify_sample import verify_sample as fused
+
+    expected, got = verify_sample(*case), fused(*case)
+    assert torch.equal(expected[0], got[0]) and torch.equal(expected[1], got[1])

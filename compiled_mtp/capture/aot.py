@@ -99,7 +99,7 @@ def source_digest() -> str:
     """A digest of the code that is traced into the graphs. The version number alone would let a
     package built before an edit of a step function or the model run after it."""
     package = Path(__file__).resolve().parents[1]
-    files = sorted(p for d in SOURCES for p in (package / d).glob("*.py")) + [Path(__file__).resolve()]
+    files = sorted(p for d in SOURCES for p in (package / d).rglob("*.py")) + [Path(__file__).resolve()]
     return hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:12]
 
 
@@ -135,7 +135,8 @@ def build(kind: str, model: DeepseekV3, state: StaticState, inputs: tuple[Tensor
 
     The live tensors are only traced with fake copies, so building leaves the model and state as they were."""
     module = StepModule(kind, model, state)
-    ep = torch.export.export(module, tuple(inputs), strict=False)
+    # strict: Dynamo's trace keeps each node's full source stack, which the fusion pass reads
+    ep = torch.export.export(module, tuple(inputs), strict=True)
     with warnings.catch_warnings():  # torch 2.13's packager trips its own pytree deprecation warning
         warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)
         torch._inductor.aoti_compile_and_package(ep, package_path=str(package), inductor_configs={**options, **AOT_OPTIONS})

@@ -99,12 +99,12 @@ def rejection_sample(
     normalize(max(p_a - q_a, 0)) after a rejection or from p_K when every draft is accepted
     (from p_a if that residual is empty, which a rejection cannot produce).
     """
-    batch, positions, vocab = target_probs.shape
+    batch, _, vocab = target_probs.shape
     drafts = draft_tokens.unsqueeze(-1)
     p_draft = target_probs[:, :-1].gather(-1, drafts).squeeze(-1)
     q_draft = draft_probs.gather(-1, drafts).squeeze(-1)
-    accepted = u_accept * q_draft < p_draft
-    num_accepted = accepted.long().cumprod(-1).sum(-1)
+    accepted = (u_accept * q_draft < p_draft).long()
+    num_accepted = accepted.cumprod(-1).sum(-1)
 
     # q_K = 0 makes the residual at the bonus position p_K itself, so one formula covers both.
     q = draft_probs.float()
@@ -116,7 +116,29 @@ def rejection_sample(
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_final)
     final = sample_from_probs(residual, u_final)
 
-    position = torch.arange(positions, device=target_probs.device)
-    candidates = torch.cat([draft_tokens, final.unsqueeze(-1)], dim=1)
-    tokens = torch.where(position < num_accepted.unsqueeze(-1), candidates, final.unsqueeze(-1))
-    return num_accepted, tokens
+    # Draft i is committed iff drafts 0..i were all accepted; the last position always holds `final`.
+    # (Built from the accept prefix, not an arange, so the subgraph shares no node with the rest of
+    # the verify graph and the fusion pass can replace it whole.)
+    final = final.unsqueeze(-1)
+    kept = torch.where(accepted.cumprod(-1) > 0, draft_tokens, final)
+    return num_accepted, torch.cat([kept, final], dim=1)
+
+
+def verify_sample(
+    logits: Tensor,
+    temperature: Tensor,
+    top_k: Tensor,
+    top_p: Tensor,
+    draft_tokens: Tensor,
+    draft_probs: Tensor,
+    noise: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """The sampling half of target_verify: the target distributions p_0..p_K of the K+1 rows of
+    ``logits`` [B, K+1, V] under each request's parameters ([B] each), then ``rejection_sample``
+    with the uniforms ``noise`` [B, K+1] (K accept tests, then the final draw).
+
+    The fusion pass (compiled_mtp/passes/fuse_verify_sampling.py) matches exactly this subgraph and
+    replaces it with one fused operation."""
+    probs = processed_probs(logits, temperature[:, None], top_k[:, None], top_p[:, None])
+    k = draft_tokens.shape[1]
+    return rejection_sample(probs, draft_tokens, draft_probs, noise[:, :k], noise[:, k])

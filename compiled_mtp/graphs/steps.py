@@ -14,7 +14,7 @@ from torch import Tensor
 
 from ..models.deepseek_v3 import DeepseekV3
 from .metadata import block_positions, cache_rows, gather_rows
-from .sampling import draft_sample, processed_probs, rejection_sample, sample_from_probs
+from .sampling import draft_sample, processed_probs, sample_from_probs, verify_sample
 from .state import StaticState
 
 
@@ -79,9 +79,7 @@ def target_verify(model: DeepseekV3, state: StaticState, slots: Tensor, seq_lens
     tokens = torch.cat([state.last_token[slots][:, None], drafts], dim=1)
     positions, write = _rows(state, slots, block_positions(seq_lens - 1, k + 1))
     h = model.forward_target(tokens, positions, write, slots, state.target_cache)
-    temperature, top_k, top_p = _params(state, slots)
-    probs = processed_probs(model.logits(h), temperature[:, None], top_k[:, None], top_p[:, None])
-    accepted, committed = rejection_sample(probs, drafts, state.draft_probs[slots, :k], noise[:, :k], noise[:, k])
+    accepted, committed = verify_sample(model.logits(h), *_params(state, slots), drafts, state.draft_probs[slots, :k], noise)
     state.last_token[slots] = committed.gather(1, accepted[:, None])[:, 0]
     return accepted, committed, h
 

@@ -12,8 +12,13 @@ from typing import Any
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-# name -> pass instance; each pass lives in its own module of this package.
-REGISTRY: dict[str, CustomGraphPass] = {}
+from .fuse_verify_sampling import FuseVerifySampling
+
+# name -> pass instance, in the order they run; each pass lives in its own module of this package.
+# Fusion goes first: the region it looks for is the graph as traced.
+REGISTRY: dict[str, CustomGraphPass] = {
+    "fuse_verify_sampling": FuseVerifySampling(),
+}
 
 
 def available() -> tuple[str, ...]:
@@ -41,3 +46,4 @@ class PassManager(CustomGraphPass):
 def inductor_options(enabled: tuple[str, ...] | None = None) -> dict[str, Any]:
     """Inductor config entries that install the passes (all registered ones when `enabled` is None)."""
     return {"post_grad_custom_post_pass": PassManager(available() if enabled is None else enabled)}
+

@@ -1,0 +1,67 @@
+"""The post-grad graph of a step, before and after the passes, as modules that run.
+
+For tests, benchmarks and bisecting a pass: the graph is exported and handed to Inductor exactly as
+a capture would, and taken at the point where Inductor runs the custom passes; code generation is
+skipped. Both modules read and write the live model's and state's tensors, like the compiled graph.
+"""
+
+from __future__ import annotations
+
+import copy
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from .aot import AOT_OPTIONS, StepModule
+from ..graphs.state import StaticState
+from ..models.deepseek_v3 import DeepseekV3
+from ..passes.manager import PassManager
+
+
+class _Stop(Exception):
+    """Ends the compile once the graphs are taken."""
+
+
+class _Record(CustomGraphPass):
+    # Inductor copies the pass object it is configured with, so the graphs go to the class.
+    graphs: list[fx.GraphModule] = []
+
+    def __init__(self, enabled: tuple[str, ...]) -> None:
+        self.manager = PassManager(enabled)
+
+    def __call__(self, graph: fx.Graph) -> None:
+        _Record.graphs.append(_runnable(graph))
+        self.manager(graph)
+        _Record.graphs.append(_runnable(graph))
+        raise _Stop
+
+    def uuid(self) -> None:  # never cached
+        return None
+
+
+def _runnable(graph: fx.Graph) -> fx.GraphModule:
+    copied = copy.deepcopy(graph)
+    copied._codegen = fx.graph.CodeGen()  # plain positional inputs instead of the export's pytree calling convention
+    return fx.GraphModule(graph.owning_module, copied)
+
+
+def post_grad_graphs(
+    kind: str, model: DeepseekV3, state: StaticState, inputs: tuple[torch.Tensor, ...], passes: tuple[str, ...]
+) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """(graph before the passes, graph after them) of step `kind` on step tensors shaped like `inputs`.
+    Call them with the step tensors."""
+    ep = torch.export.export(StepModule(kind, model, state), tuple(inputs), strict=True)
+    _Record.graphs.clear()
+    options = {**AOT_OPTIONS, "post_grad_custom_post_pass": _Record(passes), "fx_graph_cache": False}
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            torch._inductor.aoti_compile_and_package(ep, package_path=str(Path(tmp) / "graph.pt2"), inductor_configs=options)
+        except Exception:
+            if len(_Record.graphs) != 2:
+                raise
+    before, after = _Record.graphs
+    _Record.graphs.clear()
+    return before, after

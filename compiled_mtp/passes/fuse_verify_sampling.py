@@ -1,0 +1,172 @@
+"""Fuse the verify graph's sampling subgraph into `compiled_mtp::verify_sample`.
+
+The subgraph is what `graphs.sampling.verify_sample` traced to: about 80 post-grad nodes (softmax,
+argmax and one-hot rows, a stable sort of every row, cumsums, scatters, the accept test, the
+residual draw). Inductor's own rewrites reshape it (the one-hot scatter becomes a compare, softmax is
+split around the temperature), so no fixed pattern describes it. It is found by provenance instead:
+every node traced inside that function carries its frame in `stack_trace`, and nodes Inductor
+created without a trace join when all their users are in the region. The region must have exactly
+the function's inputs and outputs. Before anything is replaced, the region and the fused op run on
+seeded probe inputs of the graph's shapes; the replacement happens only if they agree, which also
+tells apart the two [B] float inputs (temperature, top_p). A graph where any of this fails is left
+as it was, with a log line.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import operator
+import re
+
+import torch
+from torch import fx
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch._inductor.pattern_matcher import stable_topological_sort
+
+from .kernels import verify_sample as op_module
+
+log = logging.getLogger("compiled_mtp.passes")
+FUSED = torch.ops.compiled_mtp.verify_sample.default
+_FRAME = re.compile(r'graphs[/\\]sampling\.py", line \d+, in verify_sample\n')
+_PROBES = 4
+
+
+class FuseVerifySampling(CustomGraphPass):
+    def __call__(self, graph: fx.Graph) -> None:
+        region = _region(graph)
+        if not region:
+            return
+        device = next(iter(region)).meta["val"].device
+        if device.type != "cpu":
+            log.warning("fuse_verify_sampling: no fused kernel for %s; the sampling subgraph stays unfused", device.type)
+            return
+        inputs, outputs = _boundary(graph, region)
+        roles = _roles(inputs, outputs)
+        if isinstance(roles, str):
+            log.warning("fuse_verify_sampling: left unfused: %s", roles)
+            return
+        args, (accepted, tokens) = roles
+        _replace(graph, args, accepted, tokens)
+
+    def uuid(self) -> str:
+        return get_hash_for_files((__file__, op_module.__file__)).hex()
+
+
+def _region(graph: fx.Graph) -> set[fx.Node]:
+    region = {n for n in graph.nodes if n.op == "call_function" and _FRAME.search(n.meta.get("stack_trace") or "")}
+    grown = bool(region)
+    while grown:
+        grown = False
+        for n in graph.nodes:
+            if n.op == "call_function" and n not in region and not n.meta.get("stack_trace") and n.users and set(n.users) <= region:
+                region.add(n)
+                grown = True
+    return region
+
+
+def _boundary(graph: fx.Graph, region: set[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
+    """External nodes the region reads and region nodes read outside it, in graph order."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    inputs = {a for n in region for a in n.all_input_nodes if a not in region}
+    outputs = {n for n in region if any(u not in region for u in n.users)}
+    return sorted(inputs, key=order.get), sorted(outputs, key=order.get)
+
+
+def _signature(node: fx.Node) -> tuple[int, bool]:
+    val = node.meta["val"]
+    return val.dim(), val.dtype.is_floating_point
+
+
+def _roles(inputs: list[fx.Node], outputs: list[fx.Node]):
+    """(the op's arguments in order, (num_accepted, tokens)) or why the region cannot be fused."""
+    if len(inputs) != 7 or len(outputs) != 2:
+        return f"the region has {len(inputs)} inputs and {len(outputs)} outputs, expected 7 and 2"
+    by_kind: dict[tuple[int, bool], list[fx.Node]] = {}
+    for node in inputs:
+        by_kind.setdefault(_signature(node), []).append(node)
+    three_d = sorted(by_kind.get((3, True), []), key=lambda n: -n.meta["val"].shape[1])  # logits have K+1 rows
+    if [len(by_kind.get(kind, [])) for kind in ((3, True), (1, True), (1, False), (2, False), (2, True))] != [2, 2, 1, 1, 1]:
+        return "its inputs do not have the shapes of (logits, temperature, top_k, top_p, drafts, draft_probs, noise)"
+    logits, draft_probs = three_d
+    (top_k,), (drafts,), (noise,) = by_kind[(1, False)], by_kind[(2, False)], by_kind[(2, True)]
+    outputs = sorted(outputs, key=lambda n: n.meta["val"].dim())
+    candidates = [
+        [logits, temperature, top_k, top_p, drafts, draft_probs, noise]
+        for temperature, top_p in itertools.permutations(by_kind[(1, True)])
+    ]
+    agreeing = [args for args in candidates if _agrees(args, outputs, inputs)]
+    if len(agreeing) != 1:
+        return f"{len(agreeing)} of 2 input assignments reproduce the region on probe inputs, expected 1"
+    return agreeing[0], tuple(outputs)
+
+
+def _agrees(args: list[fx.Node], outputs: list[fx.Node], inputs: list[fx.Node]) -> bool:
+    region = _standalone(inputs, outputs)
+    gen = torch.Generator().manual_seed(0)
+    for probe in range(_PROBES):
+        values = _probe_inputs(args, probe, gen)
+        env = dict(zip(args, values))
+        expected = region(*(env[n] for n in inputs))
+        got = FUSED(*values)
+        if not all(torch.equal(e, g) for e, g in zip(expected, got)):
+            return False
+    return True
+
+
+def _standalone(inputs: list[fx.Node], outputs: list[fx.Node]) -> fx.GraphModule:
+    """The region as a module of its own: inputs -> outputs."""
+    sub = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {n: sub.placeholder(f"in{i}") for i, n in enumerate(inputs)}
+    region_nodes = _between(inputs, outputs)
+    for n in region_nodes:
+        env[n] = sub.node_copy(n, lambda a: env[a])
+    sub.output(tuple(env[n] for n in outputs))
+    return fx.GraphModule(torch.nn.Module(), sub)
+
+
+def _between(inputs: list[fx.Node], outputs: list[fx.Node]) -> list[fx.Node]:
+    """The nodes computing `outputs` from `inputs`, in graph order."""
+    seen, stack = set(inputs), list(outputs)
+    nodes = []
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        nodes.append(n)
+        stack.extend(n.all_input_nodes)
+    order = {n: i for i, n in enumerate(next(iter(outputs)).graph.nodes)}
+    return sorted(nodes, key=order.get)
+
+
+def _probe_inputs(args: list[fx.Node], probe: int, gen: torch.Generator) -> list[torch.Tensor]:
+    """Seeded inputs of the graph's shapes: mixed greedy, plain, top-k and top-p rows, drafts that are
+    sometimes the target's argmax (so accepts happen) and sometimes not."""
+    logits_val, *_, drafts_val, probs_val, noise_val = (a.meta["val"] for a in args)
+    batch, rows, vocab = logits_val.shape
+    k = rows - 1
+    logits = torch.randn(batch, rows, vocab, generator=gen) * 3
+    rows_idx = torch.arange(batch) + probe
+    temperature = torch.tensor([0.0, 0.8, 1.0, 1.5])[rows_idx % 4]
+    top_k = torch.tensor([0, 0, 5, vocab])[(rows_idx // 2) % 4]
+    top_p = torch.tensor([1.0, 0.9, 1.0, 0.5])[(rows_idx // 3) % 4]
+    q = torch.softmax(torch.randn(batch, k, vocab, generator=gen) * 3, dim=-1)
+    drafts = torch.where(torch.rand(batch, k, generator=gen) < 0.7, logits[:, :k].argmax(-1), torch.randint(0, vocab, (batch, k), generator=gen))
+    noise = torch.rand(batch, rows, generator=gen)
+    return [logits, temperature, top_k, top_p, drafts.to(drafts_val.dtype), q.to(probs_val.dtype), noise.to(noise_val.dtype)]
+
+
+def _replace(graph: fx.Graph, args: list[fx.Node], accepted: fx.Node, tokens: fx.Node) -> None:
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    with graph.inserting_after(max(args, key=order.get)):
+        fused = graph.call_function(FUSED, tuple(args))
+    with graph.inserting_after(fused):
+        new_tokens = graph.call_function(operator.getitem, (fused, 1))
+        new_accepted = graph.call_function(operator.getitem, (fused, 0))
+    fused.meta["val"] = (accepted.meta["val"], tokens.meta["val"])
+    new_accepted.meta["val"], new_tokens.meta["val"] = accepted.meta["val"], tokens.meta["val"]
+    accepted.replace_all_uses_with(new_accepted)
+    tokens.replace_all_uses_with(new_tokens)
+    graph.eliminate_dead_code()
+    stable_topological_sort(graph)  # users of `accepted` may precede the last input

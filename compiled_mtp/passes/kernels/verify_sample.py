@@ -1,0 +1,78 @@
+"""`compiled_mtp::verify_sample`: the verify graph's sampling subgraph as one operation.
+
+The fusion pass (passes/fuse_verify_sampling.py) puts it in place of the traced
+`graphs.sampling.verify_sample`, which stays the definition: this kernel gives the same tokens for the
+same noise. The traced subgraph must stay branch-free, so it sorts every row of the vocabulary for
+top-k/top-p and builds one-hot rows for greedy requests. Here a request takes only the work its
+parameters need:
+- greedy: one argmax per row; p(d) is 1 at the argmax, and the final token is the argmax of row a;
+- temperature without top-k/top-p: a softmax per row, no sort;
+- top-k or top-p: the traced definition itself, on those requests' rows only.
+Each logits row is then read once for the accept test; only row a of each request is used for the
+final draw.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ...graphs.sampling import processed_probs, sample_from_probs
+
+
+@torch.library.custom_op("compiled_mtp::verify_sample", mutates_args=(), device_types="cpu")
+def verify_sample(
+    logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, drafts: Tensor, draft_probs: Tensor, noise: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Arguments and results as `graphs.sampling.verify_sample`: (num_accepted [B], tokens [B, K+1])."""
+    batch, rows, vocab = logits.shape
+    k = rows - 1
+    logits = logits.float()
+    greedy = temperature <= 0
+    plain = ~greedy & ((top_k <= 0) | (top_k >= vocab)) & (top_p >= 1)
+    g, s, f = (mask.nonzero().squeeze(1) for mask in (greedy, plain, ~greedy & ~plain))
+
+    # p_i(d_i) for the accept test, and each sampled request's K+1 distributions for the final draw.
+    p_draft = logits.new_zeros(batch, k)
+    argmax = logits[g].argmax(-1)  # [G, K+1]
+    p_draft[g] = (drafts[g] == argmax[:, :k]).float()
+    sampled = torch.cat([s, f])
+    probs = torch.cat([_softmax_rows(logits[s], temperature[s]), _filtered_rows(logits[f], temperature[f], top_k[f], top_p[f])])
+    p_draft[sampled] = probs[:, :k].gather(-1, drafts[sampled, :, None]).squeeze(-1)
+
+    q_draft = draft_probs.gather(-1, drafts[..., None]).squeeze(-1)
+    accepted = (noise[:, :k] * q_draft < p_draft).long()
+    num_accepted = accepted.cumprod(-1).sum(-1)
+
+    final = torch.empty(batch, dtype=torch.long)
+    final[g] = argmax.gather(1, num_accepted[g, None]).squeeze(1)
+    final[sampled] = _final_draw(probs, draft_probs[sampled], num_accepted[sampled], noise[sampled, k])
+    final = final[:, None]
+    return num_accepted, torch.cat([torch.where(accepted.cumprod(-1) > 0, drafts, final), final], dim=1)
+
+
+@verify_sample.register_fake
+def _(logits, temperature, top_k, top_p, drafts, draft_probs, noise):
+    batch, rows, _ = logits.shape
+    return logits.new_empty(batch, dtype=torch.long), logits.new_empty(batch, rows, dtype=torch.long)
+
+
+def _softmax_rows(logits: Tensor, temperature: Tensor) -> Tensor:
+    """processed_probs without top-k/top-p: its final renormalization is kept, for equal rounding."""
+    probs = torch.softmax(logits / temperature[:, None, None], dim=-1)
+    return probs / probs.sum(-1, keepdim=True)
+
+
+def _filtered_rows(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    return processed_probs(logits, temperature[:, None], top_k[:, None], top_p[:, None])
+
+
+def _final_draw(probs: Tensor, draft_probs: Tensor, num_accepted: Tensor, u: Tensor) -> Tensor:
+    """rejection_sample's final token: from normalize(max(p_a - q_a, 0)), q_K = 0, falling back to p_a."""
+    n, rows, vocab = probs.shape
+    p = probs.gather(1, num_accepted.view(n, 1, 1).expand(n, 1, vocab)).squeeze(1)
+    q = torch.cat([draft_probs.float(), draft_probs.new_zeros(n, 1, vocab)], dim=1)
+    q = q.gather(1, num_accepted.view(n, 1, 1).expand(n, 1, vocab)).squeeze(1)
+    residual = (p - q).clamp_min(0)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
+    return sample_from_probs(residual, u)

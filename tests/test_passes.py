@@ -1,0 +1,110 @@
+"""The custom FX passes on real post-grad graphs (compiled_mtp/capture/post_grad.py takes them
+where Inductor runs the passes; no code generation): what each pass changes in the graph, and that
+the graph computes the same with and without it. Real compiled code with every pass on is checked in
+test_compiled.py (torch.compile) and test_capture.py (AOTInductor)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compiled_mtp.capture.compiler import example_inputs
+from compiled_mtp.graphs.state import StaticState
+from compiled_mtp.models.checkpoint import load_model
+from compiled_mtp.passes.fuse_verify_sampling import FUSED
+from compiled_mtp.capture.post_grad import post_grad_graphs
+from compiled_mtp.passes.manager import PassManager, available, inductor_options
+
+aten = torch.ops.aten
+ALL = available()
+# (temperature, top_k, top_p) per slot: greedy, plain temperature, top-k, top-p, both
+PARAMS = [(0.0, 0, 1.0), (0.8, 0, 1.0), (1.0, 5, 1.0), (1.2, 0, 0.7), (0.6, 20, 0.9)]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_checkpoint):
+    return load_model(tiny_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def state(model):
+    return StaticState(model, num_slots=5, max_seq_len=32, max_depth=3)
+
+
+def _graphs(kind, b, k, model, state, passes):
+    return post_grad_graphs(kind, model, state, example_inputs((kind, b, k), model, prefill_chunk=8), passes)
+
+
+def _randomize(state, model, seed):
+    """A mid-generation state: filled caches, drafts d and their distributions q (d drawn from q, or
+    the target's likely token), mixed sampling parameters."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for buf in (state.target_cache, state.mtp_cache, state.mtp_hidden):
+            buf.copy_(torch.randn(buf.shape, generator=gen))
+        probs = torch.softmax(3 * torch.randn(state.draft_probs.shape, generator=gen), dim=-1)
+        state.draft_probs.copy_(probs)
+        state.drafts.copy_(torch.multinomial(probs.view(-1, probs.shape[-1]), 1, generator=gen).view(state.drafts.shape))
+        state.last_token.random_(0, model.cfg.vocab_size, generator=gen)
+    for slot in range(state.num_slots):
+        state.set_sampling(slot, *PARAMS[(slot + seed) % len(PARAMS)])
+
+
+def _step_inputs(kind, b, k, model, seed):
+    gen = torch.Generator().manual_seed(seed)
+    slots = torch.randperm(5, generator=gen)[:b]
+    seq_lens = torch.randint(2, 20, (b,), generator=gen)
+    if kind == "target_verify":
+        return slots, seq_lens, torch.rand(b, k + 1, generator=gen)
+    if kind == "draft_decode":
+        return slots, seq_lens, torch.rand(b, k - 1, generator=gen)
+    if kind == "draft_extend":
+        accepted = torch.randint(0, k + 1, (b,), generator=gen)
+        committed = torch.randint(0, model.cfg.vocab_size, (b, k + 1), generator=gen)
+        hidden = torch.randn(b, k + 1, model.cfg.hidden_size, generator=gen)
+        return slots, seq_lens, accepted, committed, hidden, torch.rand(b, 1, generator=gen)
+    tokens = torch.randint(0, model.cfg.vocab_size, (1, 8), generator=gen)
+    return tokens, tokens.roll(-1), slots[:1], torch.zeros(1, dtype=torch.long), torch.tensor([6]), torch.rand(1, 2, generator=gen)
+
+
+def _run(graph, state, model, inputs, seed):
+    """Outputs and final state of one graph call from the state `_randomize(seed)` makes."""
+    _randomize(state, model, seed)
+    out = graph(*inputs)
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    return [t.clone() for t in outs if t is not None], {k: v.clone() for k, v in state.state_dict().items()}
+
+
+def _assert_same(before, after, state, model, kind, b, k, seeds=(0, 1, 2), exact=True):
+    for seed in seeds:
+        inputs = _step_inputs(kind, b, k, model, seed)
+        (out_b, state_b), (out_a, state_a) = _run(before, state, model, inputs, seed), _run(after, state, model, inputs, seed)
+        for x, y in list(zip(out_b, out_a)) + [(state_b[n], state_a[n]) for n in state_b]:
+            if exact or not x.is_floating_point():
+                assert torch.equal(x, y)
+            else:
+                torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
+
+
+def _count(graph, target):
+    return sum(1 for n in graph.graph.nodes if n.target is target)
+
+
+@pytest.mark.parametrize("b,k", [(1, 0), (2, 1), (3, 3)])
+def test_verify_sampling_becomes_one_fused_op(model, state, b, k):
+    before, after = _graphs("target_verify", b, k, model, state, ("fuse_verify_sampling",))
+    assert _count(before, FUSED) == 0 and _count(before, aten.sort.stable) == 1 and _count(before, aten.cumsum.default) == 2
+    assert _count(after, FUSED) == 1 and _count(after, aten.sort.stable) == 0 and _count(after, aten.cumsum.default) == 0
+    removed = len(before.graph.nodes) - len(after.graph.nodes)
+    assert removed >= 60, f"{len(before.graph.nodes)} -> {len(after.graph.nodes)} nodes"
+    _assert_same(before, after, state, model, "target_verify", b, k, seeds=range(5))
+
+
+def test_switches_and_uuids():
+    assert set(ALL) == {"fuse_verify_sampling"}
+    uuids = {PassManager(tuple(subset)).uuid() for n in range(len(ALL) + 1) for subset in __import__("itertools").combinations(ALL, n)}
+    assert len(uuids) == 2 ** len(ALL)  # every pass set keys its own cache entries
+    assert PassManager(ALL).uuid() == PassManager(tuple(reversed(ALL))).uuid()  # run order is the registry's
+    assert inductor_options(())["post_grad_custom_post_pass"].enabled == ()
+    with pytest.raises(ValueError, match=r"^passes: unknown pass 'fuse_everything' \(available: "):
+        inductor_options(("fuse_everything",))

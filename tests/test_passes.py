@@ -11,9 +11,12 @@ import torch
 from compiled_mtp.capture.compiler import example_inputs
 from compiled_mtp.graphs.state import StaticState
 from compiled_mtp.models.checkpoint import load_model
+from compiled_mtp.models.deepseek_v3 import Linear
+from compiled_mtp.passes.kernels import packed_linear
 from compiled_mtp.passes.fuse_verify_sampling import FUSED
 from compiled_mtp.capture.post_grad import post_grad_graphs
 from compiled_mtp.passes.manager import PassManager, available, inductor_options
+from compiled_mtp.passes.packed_linear import LINEAR
 
 aten = torch.ops.aten
 ALL = available()
@@ -100,8 +103,54 @@ def test_verify_sampling_becomes_one_fused_op(model, state, b, k):
     _assert_same(before, after, state, model, "target_verify", b, k, seeds=range(5))
 
 
+def _linear_weights(graph):
+    """Weights read by mm(x, permute(W)) / addmm(b, x, permute(W)) nodes."""
+    mms = [n for n in graph.graph.nodes if n.target in (aten.mm.default, aten.addmm.default)]
+    return [n.args[-1].args[0] for n in mms if n.args[-1].target is aten.permute.default and n.args[-1].args[0].op in ("placeholder", "get_attr")]
+
+
+def test_packed_linear_rewrites_every_linear(model, state):
+    before, after = _graphs("draft_extend", 2, 2, model, state, ("packed_linear",))
+    weights = _linear_weights(before)
+    assert len(weights) >= 8  # MLA projections, MLP, eh_proj, lm_head
+    assert _linear_weights(after) == [] and _count(after, LINEAR) == len(weights)
+    # Without packed copies the op is F.linear: identical values.
+    _assert_same(before, after, state, model, "draft_extend", 2, 2)
+    assert packed_linear.pack_linears(model) > 0
+    _assert_same(before, after, state, model, "draft_extend", 2, 2, exact=False)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 17])
+def test_packed_linear_op_matches_f_linear(rows):
+    gen = torch.Generator().manual_seed(rows)
+    layer = torch.nn.Linear(48, 40)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(40, 48, generator=gen))
+    wrapped = Linear(48, 40, bias=True)
+    wrapped.weight, wrapped.bias = layer.weight, layer.bias
+    x = torch.randn(rows, 48, generator=gen)
+    expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    assert torch.equal(packed_linear.linear(x, layer.weight.detach(), layer.bias.detach()), expected)  # not packed yet
+    assert packed_linear.pack_linears(wrapped) == int(packed_linear.available())
+    torch.testing.assert_close(packed_linear.linear(x, layer.weight.detach(), layer.bias.detach()), expected, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():  # an in-place update: the packed copy must follow, not serve stale weights
+        layer.weight.mul_(-2.0)
+    torch.testing.assert_close(packed_linear.linear(x, layer.weight.detach(), layer.bias.detach()), layer(x), rtol=1e-5, atol=1e-5)
+    bf16 = layer.weight.detach().bfloat16()
+    assert torch.equal(packed_linear.linear(x.bfloat16(), bf16, None), torch.nn.functional.linear(x.bfloat16(), bf16))
+
+
+@pytest.mark.parametrize("kind,b,k,rows", [("draft_extend", 2, 3, 2), ("draft_decode", 3, 2, 3), ("target_verify", 2, 2, 6)])
+def test_lm_head_runs_only_on_rows_that_are_used(model, state, kind, b, k, rows):
+    """One row per request in draft_extend and each draft step; all K+1 in verify."""
+    _, after = _graphs(kind, b, k, model, state, ("packed_linear",))
+    vocab = model.cfg.vocab_size
+    head_rows = [n.args[0].meta["val"].shape[0] for n in after.graph.nodes if n.target is LINEAR and n.args[1].meta["val"].shape[0] == vocab]
+    assert head_rows == [rows] * (k - 1 if kind == "draft_decode" else 1)
+
+
 def test_switches_and_uuids():
-    assert set(ALL) == {"fuse_verify_sampling"}
+    assert set(ALL) == {"fuse_verify_sampling", "packed_linear"}
     uuids = {PassManager(tuple(subset)).uuid() for n in range(len(ALL) + 1) for subset in __import__("itertools").combinations(ALL, n)}
     assert len(uuids) == 2 ** len(ALL)  # every pass set keys its own cache entries
     assert PassManager(ALL).uuid() == PassManager(tuple(reversed(ALL))).uuid()  # run order is the registry's

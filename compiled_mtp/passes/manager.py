@@ -13,11 +13,13 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .fuse_verify_sampling import FuseVerifySampling
+from .packed_linear import PackedLinear
 
 # name -> pass instance, in the order they run; each pass lives in its own module of this package.
 # Fusion goes first: the region it looks for is the graph as traced.
 REGISTRY: dict[str, CustomGraphPass] = {
     "fuse_verify_sampling": FuseVerifySampling(),
+    "packed_linear": PackedLinear(),
 }
 
 

@@ -13,6 +13,7 @@ from compiled_mtp.graphs.state import StaticState
 from compiled_mtp.models.checkpoint import load_model
 from compiled_mtp.models.deepseek_v3 import Linear
 from compiled_mtp.passes.kernels import packed_linear
+from compiled_mtp.passes.fold_key_constants import PREFIX, key_only
 from compiled_mtp.passes.fuse_verify_sampling import FUSED
 from compiled_mtp.capture.post_grad import post_grad_graphs
 from compiled_mtp.passes.manager import PassManager, available, inductor_options
@@ -103,6 +104,24 @@ def test_verify_sampling_becomes_one_fused_op(model, state, b, k):
     _assert_same(before, after, state, model, "target_verify", b, k, seeds=range(5))
 
 
+@pytest.mark.parametrize("kind,b,k", [("prefill", 1, 0), ("draft_decode", 2, 3), ("target_verify", 2, 2), ("draft_extend", 2, 2)])
+def test_no_key_only_op_survives_the_passes(model, state, kind, b, k):
+    before, after = _graphs(kind, b, k, model, state, ALL)
+    fixed = key_only(before.graph)
+    assert any(n.target is torch.ops.prims.iota.default for n in fixed), "expected aranges before folding"
+    assert key_only(after.graph) == set()
+    assert any(n.op == "get_attr" and n.target.startswith(PREFIX) for n in after.graph.nodes)
+    _assert_same(before, after, state, model, kind, b, k, seeds=(0,), exact=False)
+
+
+@pytest.mark.parametrize("kind,b,k", [("target_verify", 2, 2), ("draft_extend", 1, 1)])
+def test_folding_alone_changes_no_value(model, state, kind, b, k):
+    before, after = _graphs(kind, b, k, model, state, ("fold_key_constants",))
+    assert len(key_only(before.graph)) >= 10 and key_only(after.graph) == set()
+    _assert_same(before, after, state, model, kind, b, k)
+    _assert_same(after, after, state, model, kind, b, k)  # a second call sees the same constants
+
+
 def _linear_weights(graph):
     """Weights read by mm(x, permute(W)) / addmm(b, x, permute(W)) nodes."""
     mms = [n for n in graph.graph.nodes if n.target in (aten.mm.default, aten.addmm.default)]
@@ -150,7 +169,7 @@ def test_lm_head_runs_only_on_rows_that_are_used(model, state, kind, b, k, rows)
 
 
 def test_switches_and_uuids():
-    assert set(ALL) == {"fuse_verify_sampling", "packed_linear"}
+    assert set(ALL) == {"fuse_verify_sampling", "packed_linear", "fold_key_constants"}
     uuids = {PassManager(tuple(subset)).uuid() for n in range(len(ALL) + 1) for subset in __import__("itertools").combinations(ALL, n)}
     assert len(uuids) == 2 ** len(ALL)  # every pass set keys its own cache entries
     assert PassManager(ALL).uuid() == PassManager(tuple(reversed(ALL))).uuid()  # run order is the registry's

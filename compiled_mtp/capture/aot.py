@@ -7,14 +7,18 @@ so weights and state buffers are the graph's constants. The package is built wit
 - one package serves every checkpoint of a config, and weights sit in memory once for all graphs;
 - state buffers are mutated in place by the graphs (KV-cache rows, drafts, draft probabilities), and
   because every graph holds pointers to the same StaticState, what prefill writes, verify reads.
+The only constants a package carries are the ones the fold_key_constants pass made (values fixed by
+the key: aranges, masks), stored inside the .pt2 and checked against their digest names on load.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import io
 import platform
 import warnings
+import zipfile
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
@@ -27,6 +31,7 @@ from torch.export.pt2_archive._package import AOTICompiledModel
 from ..graphs import steps
 from ..graphs.state import StaticState
 from ..models.deepseek_v3 import DeepseekV3
+from ..passes.fold_key_constants import FOLDED, PREFIX as FOLDED_PREFIX, folded_name
 
 # Inductor settings every artifact needs. Without `always_keep_tensor_constants`, Inductor copies
 # 1-D constants of <= 8 elements into the code (the router's correction bias of a small model, the
@@ -36,6 +41,7 @@ AOT_OPTIONS = {"aot_inductor.package_constants_in_so": False, "always_keep_tenso
 
 # Packages whose code ends up in the graphs (with this module, which sets how they are built).
 SOURCES = ("graphs", "models", "passes")
+FOLDED_ENTRY = "compiled_mtp_folded_constants.pt"  # in the package's extra/ folder
 
 
 class ArtifactError(RuntimeError):
@@ -137,15 +143,52 @@ def build(kind: str, model: DeepseekV3, state: StaticState, inputs: tuple[Tensor
     module = StepModule(kind, model, state)
     # strict: Dynamo's trace keeps each node's full source stack, which the fusion pass reads
     ep = torch.export.export(module, tuple(inputs), strict=True)
-    with warnings.catch_warnings():  # torch 2.13's packager trips its own pytree deprecation warning
-        warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)
-        torch._inductor.aoti_compile_and_package(ep, package_path=str(package), inductor_configs={**options, **AOT_OPTIONS})
-    baked = _used_constants(ep) - set(_open(package).get_constant_fqns())
+    _compile(ep, package, options)
+    constant_names = _open(package).get_constant_fqns()
+    if any(name.startswith(FOLDED_PREFIX) and name not in FOLDED for name in constant_names):
+        # Inductor's FX graph cache served the code, so the folding pass did not run here and its
+        # values are not at hand: compile once more without that cache.
+        _compile(ep, package, {**options, "fx_graph_cache": False})
+    _store_folded(package, constant_names)
+    baked = _used_constants(ep) - set(constant_names)
     if baked:
         raise ArtifactError(
             f"{kind}: the compiled code holds a copy of {sorted(baked)[0]!r} instead of reading it, so it would "
             "not follow other checkpoints' weights or the runtime's state (a pass folding constants?)"
         )
+
+
+def _compile(ep: torch.export.ExportedProgram, package: Path, options: dict[str, Any]) -> None:
+    with warnings.catch_warnings():  # torch 2.13's packager trips its own pytree deprecation warning
+        warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)
+        torch._inductor.aoti_compile_and_package(ep, package_path=str(package), inductor_configs={**options, **AOT_OPTIONS})
+
+
+def _store_folded(package: Path, constant_names: list[str]) -> None:
+    """Put the folded constants the code reads into the package (it is built without constants)."""
+    folded = {name: FOLDED[name] for name in constant_names if name.startswith(FOLDED_PREFIX)}
+    if not folded:
+        return
+    buffer = io.BytesIO()
+    torch.save(folded, buffer)
+    with zipfile.ZipFile(package, "a") as archive:
+        archive.writestr(f"{_archive_root(archive)}/extra/{FOLDED_ENTRY}", buffer.getvalue())
+
+
+def _load_folded(package: Path) -> dict[str, Tensor]:
+    with zipfile.ZipFile(package) as archive:
+        entry = f"{_archive_root(archive)}/extra/{FOLDED_ENTRY}"
+        if entry not in archive.namelist():
+            return {}
+        folded = torch.load(io.BytesIO(archive.read(entry)), weights_only=True)
+    wrong = [name for name, value in folded.items() if folded_name(value) != name]
+    if wrong:
+        raise ArtifactError(f"folded constant {wrong[0]!r} does not hold the value it was built with")
+    return folded
+
+
+def _archive_root(archive: zipfile.ZipFile) -> str:
+    return archive.namelist()[0].split("/", 1)[0]
 
 
 def _used_constants(ep: torch.export.ExportedProgram) -> set[str]:
@@ -158,7 +201,7 @@ def _used_constants(ep: torch.export.ExportedProgram) -> set[str]:
 def load(package: Path, model: DeepseekV3, state: StaticState) -> Callable[..., Any]:
     """The packaged graph, reading and writing the live model's and state's tensors (no copies)."""
     runner = _open(package)
-    live = constants(model, state)
+    live = {**constants(model, state), **_load_folded(package)}
     wanted = runner.get_constant_fqns()
     unknown = [name for name in wanted if name not in live]
     if unknown:

@@ -29,7 +29,6 @@ from .kernels import verify_sample as op_module
 log = logging.getLogger("compiled_mtp.passes")
 FUSED = torch.ops.compiled_mtp.verify_sample.default
 _FRAME = re.compile(r'graphs[/\\]sampling\.py", line \d+, in verify_sample\n')
-_PROBES = 4
 
 
 class FuseVerifySampling(CustomGraphPass):
@@ -37,11 +36,11 @@ class FuseVerifySampling(CustomGraphPass):
         region = _region(graph)
         if not region:
             return
-        device = next(iter(region)).meta["val"].device
-        if device.type != "cpu":
-            log.warning("fuse_verify_sampling: no fused kernel for %s; the sampling subgraph stays unfused", device.type)
-            return
         inputs, outputs = _boundary(graph, region)
+        devices = {n.meta["val"].device.type for n in inputs if isinstance(n.meta.get("val"), torch.Tensor)}
+        if devices != {"cpu"}:
+            log.warning("fuse_verify_sampling: no fused kernel for %s; the sampling subgraph stays unfused", "/".join(sorted(devices)))
+            return
         roles = _roles(inputs, outputs)
         if isinstance(roles, str):
             log.warning("fuse_verify_sampling: left unfused: %s", roles)
@@ -104,7 +103,9 @@ def _roles(inputs: list[fx.Node], outputs: list[fx.Node]):
 def _agrees(args: list[fx.Node], outputs: list[fx.Node], inputs: list[fx.Node]) -> bool:
     region = _standalone(inputs, outputs)
     gen = torch.Generator().manual_seed(0)
-    for probe in range(_PROBES):
+    batch = args[0].meta["val"].shape[0]
+    # every row setting of _PROBE_PARAMS at least once, and two draws at the least
+    for probe in range(max(2, -(-len(_PROBE_PARAMS) // batch))):
         values = _probe_inputs(args, probe, gen)
         env = dict(zip(args, values))
         expected = region(*(env[n] for n in inputs))
@@ -140,21 +141,25 @@ def _between(inputs: list[fx.Node], outputs: list[fx.Node]) -> list[fx.Node]:
     return sorted(nodes, key=order.get)
 
 
+# (temperature, top_k, top_p) of probe rows: greedy, temperature-only, top-k, top-p, mixes. No
+# combination reads the same with temperature and top_p swapped (top_p >= 1 keeps every token,
+# top_p near 0 acts greedy), so probes tell the two [B] float inputs apart even at B = 1.
+_PROBE_PARAMS = [(0.0, 0, 1.0), (1.5, 0, 1.0), (0.7, 0, 1.0), (1.0, 5, 1.0), (1.2, 0, 0.9), (0.5, 0, 0.6), (2.0, 3, 1.0), (1.3, 0, 1.0)]
+
+
 def _probe_inputs(args: list[fx.Node], probe: int, gen: torch.Generator) -> list[torch.Tensor]:
-    """Seeded inputs of the graph's shapes: mixed greedy, plain, top-k and top-p rows, drafts that are
+    """Seeded inputs of the graph's shapes, cycling rows through _PROBE_PARAMS; drafts that are
     sometimes the target's argmax (so accepts happen) and sometimes not."""
     logits_val, *_, drafts_val, probs_val, noise_val = (a.meta["val"] for a in args)
     batch, rows, vocab = logits_val.shape
     k = rows - 1
-    logits = torch.randn(batch, rows, vocab, generator=gen) * 3
-    rows_idx = torch.arange(batch) + probe
-    temperature = torch.tensor([0.0, 0.8, 1.0, 1.5])[rows_idx % 4]
-    top_k = torch.tensor([0, 0, 5, vocab])[(rows_idx // 2) % 4]
-    top_p = torch.tensor([1.0, 0.9, 1.0, 0.5])[(rows_idx // 3) % 4]
+    logits = torch.randn(batch, rows, vocab, generator=gen) * 2
+    params = [_PROBE_PARAMS[(row + probe) % len(_PROBE_PARAMS)] for row in range(batch)]
+    temperature, top_k, top_p = (torch.tensor(v) for v in zip(*params))
     q = torch.softmax(torch.randn(batch, k, vocab, generator=gen) * 3, dim=-1)
     drafts = torch.where(torch.rand(batch, k, generator=gen) < 0.7, logits[:, :k].argmax(-1), torch.randint(0, vocab, (batch, k), generator=gen))
     noise = torch.rand(batch, rows, generator=gen)
-    return [logits, temperature, top_k, top_p, drafts.to(drafts_val.dtype), q.to(probs_val.dtype), noise.to(noise_val.dtype)]
+    return [logits, temperature.float(), top_k.long(), top_p.float(), drafts.to(drafts_val.dtype), q.to(probs_val.dtype), noise.to(noise_val.dtype)]
 
 
 def _replace(graph: fx.Graph, args: list[fx.Node], accepted: fx.Node, tokens: fx.Node) -> None:

@@ -7,7 +7,8 @@ top-k/top-p and builds one-hot rows for greedy requests. Here a request takes on
 parameters need:
 - greedy: one argmax per row; p(d) is 1 at the argmax, and the final token is the argmax of row a;
 - temperature without top-k/top-p: a softmax per row, no sort;
-- top-k or top-p: the traced definition itself, on those requests' rows only.
+- top-k or top-p: a sort of the 1024 (then 16384) most likely tokens instead of the vocabulary
+  (the traced definition itself where the cut may fall beyond them).
 Each logits row is then read once for the accept test; only row a of each request is used for the
 final draw.
 """
@@ -18,6 +19,9 @@ import torch
 from torch import Tensor
 
 from ...graphs.sampling import processed_probs, sample_from_probs
+
+# Tokens sorted per row for top-k/top-p, tried in turn (the traced definition sorts the whole vocabulary).
+CANDIDATES = (1024, 16384)
 
 
 @torch.library.custom_op("compiled_mtp::verify_sample", mutates_args=(), device_types="cpu")
@@ -64,7 +68,45 @@ def _softmax_rows(logits: Tensor, temperature: Tensor) -> Tensor:
 
 
 def _filtered_rows(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
-    return processed_probs(logits, temperature[:, None], top_k[:, None], top_p[:, None])
+    """processed_probs for rows with top-k or top-p, sorting only the most likely tokens.
+
+    The cut nearly always falls among the first CANDIDATES[0] tokens; a row where it may not (its
+    kept tokens reach the smallest candidate's probability, or top_k needs more candidates) tries
+    the next count, and the traced definition (a sort of the whole vocabulary) after the last."""
+    n, rows, vocab = logits.shape
+    probs = torch.softmax(logits / temperature[:, None, None], dim=-1).reshape(n * rows, vocab)
+    k, p = top_k.repeat_interleave(rows), top_p.repeat_interleave(rows).float()
+    out = torch.empty_like(probs)
+    todo = torch.arange(n * rows)
+    for m in CANDIDATES:
+        if not len(todo) or m >= vocab:
+            break
+        filtered, unsure = _filter_candidates(probs[todo], k[todo, None], p[todo, None], m)
+        out[todo[~unsure]] = filtered[~unsure]
+        todo = todo[unsure]
+    if len(todo):
+        out[todo] = processed_probs(logits.reshape(n * rows, vocab)[todo], temperature.repeat_interleave(rows)[todo], k[todo], p[todo])
+    return out.view(n, rows, vocab)
+
+
+def _filter_candidates(probs: Tensor, k: Tensor, p: Tensor, m: int) -> tuple[Tensor, Tensor]:
+    """(processed_probs's rows from the m most likely tokens of `probs` [R, V], rows where that may be wrong)."""
+    vocab = probs.shape[-1]
+    top = probs.topk(m, dim=-1)
+    # In the traced order: probability descending, ties by token id.
+    ids = top.indices.sort(dim=-1).values
+    values, order = probs.gather(-1, ids).sort(dim=-1, descending=True, stable=True)
+    ids = ids.gather(-1, order)
+    rank = torch.arange(m)
+    values = values * ((rank < k) | (k <= 0))
+    cumulative = values.cumsum(-1)
+    tail = probs.scatter(-1, ids, 0.0).sum(-1, keepdim=True) * ((k <= 0) | (k >= vocab))
+    keep = (cumulative - values < p * (cumulative[:, -1:] + tail)) | (rank == 0) | (p >= 1)
+    kept = values * keep
+    filtered = torch.zeros_like(probs).scatter(-1, ids, kept)
+    last_kept = torch.where(kept > 0, kept, torch.inf).amin(-1, keepdim=True)
+    unsure = (last_kept <= top.values[:, -1:]) | ((k >= m) & (k < vocab))
+    return filtered / filtered.sum(-1, keepdim=True), unsure.squeeze(1)
 
 
 def _final_draw(probs: Tensor, draft_probs: Tensor, num_accepted: Tensor, u: Tensor) -> Tensor:

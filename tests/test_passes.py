@@ -176,3 +176,15 @@ def test_switches_and_uuids():
     assert inductor_options(())["post_grad_custom_post_pass"].enabled == ()
     with pytest.raises(ValueError, match=r"^passes: unknown pass 'fuse_everything' \(available: "):
         inductor_options(("fuse_everything",))
+
+
+def test_command_line_switch(capsys):
+    import argparse
+
+    from compiled_mtp.cli import _engine_options, main
+
+    args = argparse.Namespace(max_seq_len=None, dtype=None, device=None, backend="inductor", cache_dir=None, disable_pass=["packed_linear"])
+    assert _engine_options(args, None)["passes"] == ("fold_key_constants", "fuse_verify_sampling")
+    with pytest.raises(SystemExit):
+        main(["generate", "hello", "--disable-pass", "fuse_everything"])
+    assert "invalid choice: 'fuse_everything'" in capsys.readouterr().err

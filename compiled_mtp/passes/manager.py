@@ -6,6 +6,7 @@ so Inductor's FX graph cache (and the capture cache) never serve code built with
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 from typing import Any
 
@@ -52,3 +53,10 @@ def inductor_options(enabled: tuple[str, ...] | None = None) -> dict[str, Any]:
     """Inductor config entries that install the passes (all registered ones when `enabled` is None)."""
     return {"post_grad_custom_post_pass": PassManager(available() if enabled is None else enabled)}
 
+
+def add_pass_switch(parser: argparse.ArgumentParser) -> None:
+    """The command-line switch that turns passes off, for benchmarks and bisecting."""
+    parser.add_argument(
+        "--disable-pass", action="append", default=[], choices=available(), metavar="NAME",
+        help=f"compile without this custom FX pass (repeatable; passes: {', '.join(available())})",
+    )

@@ -1,0 +1,145 @@
+"""The custom FX passes, on against off, in one run.
+
+    python benchmarks/bench_passes.py                          # both parts, the issue's matrix
+    python benchmarks/bench_passes.py --part sampling --batch-sizes 1 8 --depths 1 3
+    python benchmarks/bench_passes.py --part e2e --depths 0 1 2 3
+
+1. sampling: the sampling half of target_verify alone (`graphs.sampling.verify_sample`, compiled by
+   Inductor) at DeepSeek-V3's vocabulary of 129280, for B x K, with every request greedy, at
+   temperature 1.0, or at temperature 1.0 with top-p 0.9. Off: the traced subgraph. On: the
+   fuse_verify_sampling pass (one `compiled_mtp::verify_sample` op).
+2. e2e: a random ~250M-parameter DeepSeek-V3-shaped checkpoint (preset "250m": vocab 129280, 8 layers,
+   16 experts), the real decode loop at B=1 for each K, every graph compiled by Inductor, all passes
+   against none. A random model's drafts are never accepted, so tokens/s are SIMULATED: each step's
+   time is measured (graphs have static shapes, so it does not depend on acceptance) and multiplied
+   by a fixed acceptance, as SGLang's SIMULATE_ACC_LEN does: each draft is accepted with probability
+   0.8 given the previous one was, i.e. 1 + 0.8 + ... + 0.8^K tokens per step. Also: one
+   target_verify at K=3 (4 rows) against one at K=0 (a plain decode step).
+Results are printed and written to benchmarks/passes-cpu.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from compiled_mtp import Runtime  # noqa: E402
+from compiled_mtp.bench import _generate  # noqa: E402
+from compiled_mtp.capture.compiler import _own_code  # noqa: E402
+from compiled_mtp.graphs.sampling import verify_sample  # noqa: E402
+from compiled_mtp.models.checkpoint import load_model  # noqa: E402
+from compiled_mtp.models.synthetic import preset_config, write_random_checkpoint  # noqa: E402
+from compiled_mtp.passes.manager import available, inductor_options  # noqa: E402
+from compiled_mtp.runtime import SamplingParams  # noqa: E402
+
+VOCAB = 129280
+SETTINGS = {"greedy": (0.0, 1.0), "T=1": (1.0, 1.0), "T=1 top-p 0.9": (1.0, 0.9)}
+SIMULATED_RATE = 0.8
+
+
+def best_ms(fn, runs: int) -> float:
+    fn()
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * min(times)
+
+
+def sampling_inputs(b: int, k: int, temperature: float, top_p: float) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(b * 10 + k)
+    logits = 3 * torch.randn(b, k + 1, VOCAB, generator=gen)
+    q = torch.softmax(3 * torch.randn(b, k, VOCAB, generator=gen), dim=-1)
+    drafts = torch.where(torch.rand(b, k, generator=gen) < 0.7, logits[:, :k].argmax(-1), torch.randint(0, VOCAB, (b, k), generator=gen))
+    return (
+        logits, torch.full((b,), temperature), torch.zeros(b, dtype=torch.long), torch.full((b,), top_p),
+        drafts, q, torch.rand(b, k + 1, generator=gen),
+    )
+
+
+def _sample(*inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What each compiled graph runs; a copy of this code per (B, K, passes) keeps their Dynamo caches
+    apart, while verify_sample keeps its own name (the fusion pass looks for its frame)."""
+    return verify_sample(*inputs)
+
+
+def bench_sampling(args: argparse.Namespace) -> list[dict]:
+    rows = []
+    for b in args.batch_sizes:
+        for k in [k for k in args.depths if k > 0]:
+            graphs = {
+                name: torch.compile(_own_code(_sample, f"sample_{name}_{b}_{k}"), fullgraph=True, dynamic=False, options=inductor_options(passes))
+                for name, passes in (("off", ()), ("on", ("fuse_verify_sampling",)))
+            }
+            for setting, (temperature, top_p) in SETTINGS.items():
+                inputs = sampling_inputs(b, k, temperature, top_p)
+                outs = {name: graph(*inputs) for name, graph in graphs.items()}
+                same = all(torch.equal(x, y) for x, y in zip(outs["off"], outs["on"]))
+                ms = {name: best_ms(lambda g=graph: g(*inputs), args.runs) for name, graph in graphs.items()}
+                rows.append({"B": b, "K": k, "setting": setting, "off_ms": ms["off"], "on_ms": ms["on"], "speedup": ms["off"] / ms["on"], "same_tokens": same})
+                print(f"  B={b:2d} K={k} {setting:14s} off {ms['off']:8.2f} ms  on {ms['on']:7.2f} ms  {ms['off'] / ms['on']:6.1f}x  same tokens: {same}", flush=True)
+    return rows
+
+
+def bench_e2e(args: argparse.Namespace) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        print("writing the random 250m checkpoint ...", flush=True)
+        model = load_model(write_random_checkpoint(Path(tmp) / "250m", preset_config("250m")))
+    params_m = sum(p.numel() for p in model.parameters()) / 1e6
+    prompt = torch.randint(0, VOCAB, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
+    sampling = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+    result = {"parameters_m": params_m, "rows": [], "verify_ms": {}}
+    for name, passes in (("off", ()), ("on", available())):
+        for k in args.depths:
+            start = time.perf_counter()
+            rt = Runtime(model, mtp_depth=k, batch_sizes=(1,), max_seq_len=args.prompt_len + args.new_tokens + 8, prefill_chunk=args.prompt_len, passes=passes)
+            _generate(rt, [prompt], sampling)  # compiles
+            compile_s = time.perf_counter() - start
+            timings = [_generate(rt, [prompt], sampling) for _ in range(args.runs)]
+            step_ms = 1e3 * min(t.decode_seconds / t.decode_steps for t in timings)
+            per_step = sum(SIMULATED_RATE**i for i in range(k + 1))
+            result["rows"].append({"passes": name, "K": k, "step_ms": step_ms, "simulated_tokens_per_step": per_step, "simulated_tok_s": 1e3 * per_step / step_ms, "compile_s": compile_s})
+            print(f"  passes {name:3s} K={k}: {step_ms:7.1f} ms/step, simulated {1e3 * per_step / step_ms:6.1f} tok/s (compile {compile_s:.0f} s)", flush=True)
+            if k in (0, 3):
+                slots, lens, noise = torch.tensor([0]), torch.tensor([args.prompt_len]), torch.zeros(1, k + 1)
+                result["verify_ms"].setdefault(name, {})[k] = best_ms(lambda: rt.graphs(("target_verify", 1, k), slots, lens, noise), args.runs * 3)
+        v = result["verify_ms"].get(name, {})
+        if 0 in v and 3 in v:
+            print(f"  passes {name}: target_verify 4 rows {v[3]:.1f} ms vs 1 row {v[0]:.1f} ms: {v[3] / v[0]:.2f}x", flush=True)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=("sampling", "e2e", "both"), default="both")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    parser.add_argument("--depths", type=int, nargs="+", default=None, help="default: 1 2 3 (sampling), 0 1 2 3 (e2e)")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "passes-cpu.json")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    result = {"torch": torch.__version__, "threads": torch.get_num_threads()}
+    if args.part in ("sampling", "both"):
+        print(f"verify sampling at vocab {VOCAB} (best of {args.runs}):", flush=True)
+        result["sampling"] = bench_sampling(argparse.Namespace(**{**vars(args), "depths": args.depths or [1, 2, 3]}))
+    if args.part in ("e2e", "both"):
+        print("end to end, ~250M random checkpoint, B=1 (tokens/s SIMULATED at 0.8 acceptance per position):", flush=True)
+        result["e2e"] = bench_e2e(argparse.Namespace(**{**vars(args), "depths": args.depths or [0, 1, 2, 3]}))
+    args.out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -155,7 +155,8 @@ class Runtime:
         """Load an HF-layout DeepSeek-V3 checkpoint directory and prepare its graphs.
 
         Options: `mtp_depths` (extra depths to allow switching to), `compile_backend` ("inductor",
-        "aot_eager" or "eager"), `passes` (names of the custom FX passes to run; None = all),
+        "aot_eager" or "eager"), `passes` (names of the custom FX passes to run, of
+        fuse_verify_sampling, packed_linear, fold_key_constants; None = all, () = none),
         `prefill_chunk`, `seed` (for requests without one). `cache_dir` is a capture cache: graphs are
         loaded from it, and those it lacks are built once and stored there."""
         if dtype not in DTYPES:

@@ -1,8 +1,10 @@
 """`compiled_mtp::verify_sample`: the verify graph's sampling subgraph as one operation.
 
 The fusion pass (passes/fuse_verify_sampling.py) puts it in place of the traced
-`graphs.sampling.verify_sample`, which stays the definition: this kernel gives the same tokens for the
-same noise. The traced subgraph must stay branch-free, so it sorts every row of the vocabulary for
+`graphs.sampling.verify_sample`, which stays the definition: for the same noise this kernel commits
+the tokens that definition commits run eagerly (tests/test_sampling.py checks it over drawn inputs).
+Against a compiled graph, whose sums round in another order, the same holds for greedy requests; a
+sampled draw can differ only where its uniform falls within rounding of a step of the CDF. The traced subgraph must stay branch-free, so it sorts every row of the vocabulary for
 top-k/top-p and builds one-hot rows for greedy requests. Here a request takes only the work its
 parameters need:
 - greedy: one argmax per row; p(d) is 1 at the argmax, and the final token is the argmax of row a;

@@ -188,3 +188,23 @@ def test_command_line_switch(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "hello", "--disable-pass", "fuse_everything"])
     assert "invalid choice: 'fuse_everything'" in capsys.readouterr().err
+
+
+def test_folded_values_are_kept_by_name_on_disk(tmp_path, monkeypatch):
+    """A capture whose code came from Inductor's FX graph cache (the fold pass did not run) finds the
+    values by name; a damaged or mismatched file is never used."""
+    from compiled_mtp.passes import fold_key_constants as fold
+
+    monkeypatch.setattr(fold, "_store", lambda: tmp_path)
+    monkeypatch.setattr(fold, "_FOLDED", {})
+    value = torch.arange(5)
+    name = fold.folded_name(value)
+    fold._remember(name, value)
+    monkeypatch.setattr(fold, "_FOLDED", {})  # a new process
+    assert torch.equal(fold.folded_value(name), value)
+    monkeypatch.setattr(fold, "_FOLDED", {})
+    (tmp_path / f"{name}.pt").write_bytes(b"garbage")
+    assert fold.folded_value(name) is None
+    other = fold.folded_name(torch.arange(6))
+    torch.save(torch.arange(5), tmp_path / f"{other}.pt")
+    assert fold.folded_value(other) is None

@@ -31,7 +31,7 @@ from torch.export.pt2_archive._package import AOTICompiledModel
 from ..graphs import steps
 from ..graphs.state import StaticState
 from ..models.deepseek_v3 import DeepseekV3
-from ..passes.fold_key_constants import FOLDED, PREFIX as FOLDED_PREFIX, folded_name
+from ..passes.fold_key_constants import PREFIX as FOLDED_PREFIX, folded_name, folded_value
 
 # Inductor settings every artifact needs. Without `always_keep_tensor_constants`, Inductor copies
 # 1-D constants of <= 8 elements into the code (the router's correction bias of a small model, the
@@ -145,9 +145,9 @@ def build(kind: str, model: DeepseekV3, state: StaticState, inputs: tuple[Tensor
     ep = torch.export.export(module, tuple(inputs), strict=True)
     _compile(ep, package, options)
     constant_names = _open(package).get_constant_fqns()
-    if any(name.startswith(FOLDED_PREFIX) and name not in FOLDED for name in constant_names):
-        # Inductor's FX graph cache served the code, so the folding pass did not run here and its
-        # values are not at hand: compile once more without that cache.
+    if any(name.startswith(FOLDED_PREFIX) and folded_value(name) is None for name in constant_names):
+        # Inductor's FX graph cache served the code, so the folding pass did not run here, and the
+        # values it kept are gone: compile once more without that cache.
         _compile(ep, package, {**options, "fx_graph_cache": False})
     _store_folded(package, constant_names)
     baked = _used_constants(ep) - set(constant_names)
@@ -166,7 +166,7 @@ def _compile(ep: torch.export.ExportedProgram, package: Path, options: dict[str,
 
 def _store_folded(package: Path, constant_names: list[str]) -> None:
     """Put the folded constants the code reads into the package (it is built without constants)."""
-    folded = {name: FOLDED[name] for name in constant_names if name.startswith(FOLDED_PREFIX)}
+    folded = {name: folded_value(name) for name in constant_names if name.startswith(FOLDED_PREFIX)}
     if not folded:
         return
     buffer = io.BytesIO()

@@ -7,22 +7,27 @@ random or mutating. The pass evaluates the outermost ones once, at compile time,
 in the graph as constants (`_folded_<digest>`), leaving computed only what depends on live sequence
 lengths, slots, drafts, noise and weights.
 
-Constants are named by a digest of their value, and every folded value is also kept in `FOLDED`, so
-a capture artifact (built without constants) can store and reload them by name.
+Constants are named by a digest of their value, and every folded value is also kept by name (in
+this process and in Inductor's cache directory), so a capture artifact, built without constants,
+can store them even when Inductor's FX graph cache served its code and this pass did not run.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
+import tempfile
+from pathlib import Path
 
 import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch._inductor.runtime.cache_dir_utils import cache_dir
 from torch.utils._pytree import tree_map_only
 
 PREFIX = "_folded_"
-# name -> value of every constant this process folded (capture stores the ones a package needs)
-FOLDED: dict[str, torch.Tensor] = {}
+# name -> value of every constant this process folded or read back
+_FOLDED: dict[str, torch.Tensor] = {}
 
 
 class FoldKeyConstants(CustomGraphPass):
@@ -32,7 +37,7 @@ class FoldKeyConstants(CustomGraphPass):
         for node, value in values:
             name = folded_name(value)
             if name not in constants:
-                FOLDED[name] = value
+                _remember(name, value)
                 graph.owning_module.register_buffer(name, value)
                 with graph.inserting_before(next(n for n in graph.nodes if n.op != "placeholder")):
                     constants[name] = graph.get_attr(name)
@@ -91,3 +96,34 @@ def folded_name(value: torch.Tensor) -> str:
     data = value.detach().cpu().contiguous()
     meta = f"{data.dtype}:{tuple(data.shape)}:{value.stride()}:{value.device.type}".encode()
     return PREFIX + hashlib.sha256(meta + data.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+
+
+def folded_value(name: str) -> torch.Tensor | None:
+    """The value of folded constant `name`, if this process or an earlier one folded it."""
+    if name not in _FOLDED:
+        try:
+            value = torch.load(_store() / f"{name}.pt", weights_only=True)
+        except Exception:  # missing, truncated or not a tensor file: as if never folded
+            return None
+        if folded_name(value) != name:  # a damaged file: never hand out another value
+            return None
+        _FOLDED[name] = value
+    return _FOLDED[name]
+
+
+def _remember(name: str, value: torch.Tensor) -> None:
+    _FOLDED[name] = value
+    path = _store() / f"{name}.pt"
+    if path.exists():
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as tmp:
+            torch.save(value.cpu(), tmp)
+        os.replace(tmp.name, path)
+    except OSError:
+        pass  # only an optimization for capture builds served by the FX graph cache
+
+
+def _store() -> Path:
+    return Path(cache_dir()) / "compiled_mtp_folded"

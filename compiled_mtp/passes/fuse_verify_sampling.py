@@ -84,6 +84,8 @@ def _roles(inputs: list[fx.Node], outputs: list[fx.Node]):
     """(the op's arguments in order, (num_accepted, tokens)) or why the region cannot be fused."""
     if len(inputs) != 7 or len(outputs) != 2:
         return f"the region has {len(inputs)} inputs and {len(outputs)} outputs, expected 7 and 2"
+    if not all(isinstance(n.meta.get("val"), torch.Tensor) for n in inputs + outputs):
+        return "a region input or output is not a tensor"
     by_kind: dict[tuple[int, bool], list[fx.Node]] = {}
     for node in inputs:
         by_kind.setdefault(_signature(node), []).append(node)
@@ -97,7 +99,10 @@ def _roles(inputs: list[fx.Node], outputs: list[fx.Node]):
         [logits, temperature, top_k, top_p, drafts, draft_probs, noise]
         for temperature, top_p in itertools.permutations(by_kind[(1, True)])
     ]
-    agreement = [_agreement(args, outputs, inputs) for args in candidates]
+    try:
+        agreement = [_agreement(args, outputs, inputs) for args in candidates]
+    except Exception as e:  # the region does not run as the verify sampling would (another graph)
+        return f"the region does not run on probe inputs ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
     agreeing = [args for args, share in zip(candidates, agreement) if share >= _AGREEMENT]
     if len(agreeing) != 1:
         shares = " and ".join(f"{share:.0%}" for share in agreement)

@@ -17,6 +17,7 @@ from compiled_mtp.passes.fold_key_constants import PREFIX, key_only
 from compiled_mtp.passes.fuse_verify_sampling import FUSED
 from compiled_mtp.capture.post_grad import post_grad_graphs
 from compiled_mtp.passes.manager import PassManager, available, inductor_options
+from compiled_mtp.passes import packed_linear as packed_linear_pass
 from compiled_mtp.passes.packed_linear import LINEAR
 
 aten = torch.ops.aten
@@ -128,7 +129,18 @@ def _linear_weights(graph):
     return [n.args[-1].args[0] for n in mms if n.args[-1].target is aten.permute.default and n.args[-1].args[0].op in ("placeholder", "get_attr")]
 
 
-def test_packed_linear_rewrites_every_linear(model, state):
+@pytest.fixture
+def pack_every_size(monkeypatch):
+    """The tiny model's weights are below the sizes where packing pays: rewrite them anyway."""
+    monkeypatch.setattr(packed_linear_pass, "BIG_WEIGHT", 0)
+
+
+def test_packed_linear_leaves_small_weights_to_inductor(model, state):
+    before, after = _graphs("draft_extend", 2, 2, model, state, ("packed_linear",))
+    assert _count(after, LINEAR) == 0 and len(_linear_weights(after)) == len(_linear_weights(before))
+
+
+def test_packed_linear_rewrites_every_linear(model, state, pack_every_size):
     before, after = _graphs("draft_extend", 2, 2, model, state, ("packed_linear",))
     weights = _linear_weights(before)
     assert len(weights) >= 8  # MLA projections, MLP, eh_proj, lm_head
@@ -160,7 +172,7 @@ def test_packed_linear_op_matches_f_linear(rows):
 
 
 @pytest.mark.parametrize("kind,b,k,rows", [("draft_extend", 2, 3, 2), ("draft_decode", 3, 2, 3), ("target_verify", 2, 2, 6)])
-def test_lm_head_runs_only_on_rows_that_are_used(model, state, kind, b, k, rows):
+def test_lm_head_runs_only_on_rows_that_are_used(model, state, kind, b, k, rows, pack_every_size):
     """One row per request in draft_extend and each draft step; all K+1 in verify."""
     _, after = _graphs(kind, b, k, model, state, ("packed_linear",))
     vocab = model.cfg.vocab_size

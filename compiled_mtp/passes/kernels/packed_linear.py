@@ -47,12 +47,12 @@ def packable(weight: Tensor) -> bool:
     return available() and weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Pack the weight of every compiled_mtp Linear in `model` (once; repeated calls are free).
-    Returns how many weights have a packed copy."""
+def pack_linears(model: nn.Module, min_size: int = 0) -> int:
+    """Pack the weight of every compiled_mtp Linear in `model` with at least `min_size` elements
+    (once; repeated calls are free). Returns how many weights have a packed copy."""
     count = 0
     for module in model.modules():
-        if isinstance(module, Linear) and packable(module.weight):
+        if isinstance(module, Linear) and packable(module.weight) and module.weight.numel() >= min_size:
             if module.weight.data_ptr() not in _PACKED:
                 _PACKED[module.weight.data_ptr()] = _pack(module.weight)
                 weakref.finalize(module.weight, _PACKED.pop, module.weight.data_ptr(), None)

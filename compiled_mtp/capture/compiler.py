@@ -25,9 +25,9 @@ import torch
 from ..graphs import steps
 from ..graphs.state import StaticState
 from ..models.deepseek_v3 import DeepseekV3
+from ..passes import packed_linear
 from ..passes.kernels.packed_linear import pack_linears
 from ..passes.manager import inductor_options
-from ..passes.packed_linear import MID_WEIGHT
 from . import aot
 from .cache import MISSING, GraphCache
 
@@ -109,7 +109,7 @@ class CompiledGraphs:
         self.backend = backend
         self.inductor_options = inductor_options(passes)  # validates the pass names
         if backend == "inductor" and "packed_linear" in self.inductor_options["post_grad_custom_post_pass"].enabled:
-            pack_linears(model, MID_WEIGHT)  # once, before any graph: every graph shares them
+            pack_linears(model, packed_linear.MID_WEIGHT)  # once, before any graph: every graph shares them
         # Only Inductor produces code worth storing; the other backends build in-process.
         self.cache = GraphCache(cache_dir) if cache_dir is not None and backend == "inductor" else None
         self._graphs: dict[GraphKey, Callable] = {}

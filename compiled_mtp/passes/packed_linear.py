@@ -48,7 +48,7 @@ class PackedLinear(CustomGraphPass):
         graph.eliminate_dead_code()
 
     def uuid(self) -> str:
-        return get_hash_for_files((__file__, op_module.__file__)).hex()
+        return get_hash_for_files((__file__, op_module.__file__), f"{BIG_WEIGHT},{MID_WEIGHT},{MANY_ROWS}").hex()
 
 
 def _pays(x: fx.Node, weight: fx.Node) -> bool:

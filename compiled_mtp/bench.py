@@ -46,8 +46,7 @@ import torch
 from . import hf_baseline
 from .capture.compiler import BACKENDS
 from .capture.profile import DEFAULT_MODEL
-from .passes.manager import add_pass_switch
-from .passes.manager import available as available_passes
+from .passes.manager import add_pass_switch, without
 from .models.checkpoint import load_model
 from .models.deepseek_v3 import DeepseekV3, Experts
 from .runtime import DTYPES, Runtime, SamplingParams
@@ -290,7 +289,7 @@ def bench_engine(model: DeepseekV3, prompts: Prompts, args: argparse.Namespace) 
             model, mtp_depth=k, batch_sizes=args.batch_sizes, max_seq_len=args.prompt_len + args.new_tokens,
             prefill_chunk=min(64, args.prompt_len),  # the runtime's default chunk, which must fit max_seq_len
             compile_backend=args.backend, cache_dir=args.cache_dir,
-            passes=tuple(name for name in available_passes() if name not in args.disable_pass),
+            passes=without(args.disable_pass),
         )
         if k > 0:
             acceptance.append(measure_acceptance(rt, prompts.token_ids[: args.accept_prompts], args.new_tokens))

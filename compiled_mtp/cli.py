@@ -15,8 +15,7 @@ from .capture.compiler import example_inputs, graph_keys, key_name
 from .capture.profile import DEFAULT_MODEL, PROFILES, Profile, ProfileError, load_profile
 from .models.config import CheckpointError
 from .models.synthetic import PRESETS, preset_config, write_random_checkpoint
-from .passes.manager import add_pass_switch
-from .passes.manager import available as available_passes
+from .passes.manager import add_pass_switch, without
 from .runtime import Runtime, SamplingParams
 
 # Engine settings when neither a flag nor a profile gives them.
@@ -44,8 +43,7 @@ def _engine_options(args: argparse.Namespace, profile: Profile | None) -> dict:
     With the profile's settings the runtime's graphs are the ones `capture` stored for it."""
     options = profile.runtime_options() if profile else {"mtp_depth": 3, "batch_sizes": (1,), **ENGINE_DEFAULTS}
     options |= {name: getattr(args, name) for name in ENGINE_DEFAULTS if getattr(args, name) is not None}
-    passes = tuple(name for name in available_passes() if name not in args.disable_pass)
-    return options | {"compile_backend": getattr(args, "backend", "inductor"), "cache_dir": args.cache_dir, "passes": passes}
+    return options | {"compile_backend": getattr(args, "backend", "inductor"), "cache_dir": args.cache_dir, "passes": without(args.disable_pass)}
 
 
 def _size(n: int) -> str:

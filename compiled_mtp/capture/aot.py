@@ -140,15 +140,13 @@ def build(kind: str, model: DeepseekV3, state: StaticState, inputs: tuple[Tensor
     """Export the step with `inputs` as example step tensors and compile it into `package` (.pt2).
 
     The live tensors are only traced with fake copies, so building leaves the model and state as they were."""
-    module = StepModule(kind, model, state)
-    # strict: Dynamo's trace keeps each node's full source stack, which the fusion pass reads
-    ep = torch.export.export(module, tuple(inputs), strict=True)
-    _compile(ep, package, options)
+    ep = export_step(kind, model, state, inputs)
+    compile_package(ep, package, options)
     constant_names = _open(package).get_constant_fqns()
     if any(name.startswith(FOLDED_PREFIX) and folded_value(name) is None for name in constant_names):
         # Inductor's FX graph cache served the code, so the folding pass did not run here, and the
         # values it kept are gone: compile once more without that cache.
-        _compile(ep, package, {**options, "fx_graph_cache": False})
+        compile_package(ep, package, {**options, "fx_graph_cache": False})
     _store_folded(package, constant_names)
     baked = _used_constants(ep) - set(constant_names)
     if baked:
@@ -158,7 +156,13 @@ def build(kind: str, model: DeepseekV3, state: StaticState, inputs: tuple[Tensor
         )
 
 
-def _compile(ep: torch.export.ExportedProgram, package: Path, options: dict[str, Any]) -> None:
+def export_step(kind: str, model: DeepseekV3, state: StaticState, inputs: tuple[Tensor, ...]) -> torch.export.ExportedProgram:
+    # strict: Dynamo's trace keeps each node's full source stack, which the fusion pass reads
+    return torch.export.export(StepModule(kind, model, state), tuple(inputs), strict=True)
+
+
+def compile_package(ep: torch.export.ExportedProgram, package: Path, options: dict[str, Any]) -> None:
+    """AOTInductor-compile `ep` into `package` with `options` and the settings every artifact needs."""
     with warnings.catch_warnings():  # torch 2.13's packager trips its own pytree deprecation warning
         warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)
         torch._inductor.aoti_compile_and_package(ep, package_path=str(package), inductor_configs={**options, **AOT_OPTIONS})

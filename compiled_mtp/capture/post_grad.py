@@ -15,7 +15,7 @@ import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from .aot import AOT_OPTIONS, StepModule
+from .aot import compile_package, export_step
 from ..graphs.state import StaticState
 from ..models.deepseek_v3 import DeepseekV3
 from ..passes.manager import PassManager
@@ -53,12 +53,12 @@ def post_grad_graphs(
 ) -> tuple[fx.GraphModule, fx.GraphModule]:
     """(graph before the passes, graph after them) of step `kind` on step tensors shaped like `inputs`.
     Call them with the step tensors."""
-    ep = torch.export.export(StepModule(kind, model, state), tuple(inputs), strict=True)
+    ep = export_step(kind, model, state, inputs)
     _Record.graphs.clear()
-    options = {**AOT_OPTIONS, "post_grad_custom_post_pass": _Record(passes), "fx_graph_cache": False}
+    options = {"post_grad_custom_post_pass": _Record(passes), "fx_graph_cache": False}
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            torch._inductor.aoti_compile_and_package(ep, package_path=str(Path(tmp) / "graph.pt2"), inductor_configs=options)
+            compile_package(ep, Path(tmp) / "graph.pt2", options)
         except Exception:
             if len(_Record.graphs) != 2:
                 raise

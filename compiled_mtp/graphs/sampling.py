@@ -99,13 +99,23 @@ def rejection_sample(
     normalize(max(p_a - q_a, 0)) after a rejection or from p_K when every draft is accepted
     (from p_a if that residual is empty, which a rejection cannot produce).
     """
-    batch, _, vocab = target_probs.shape
     drafts = draft_tokens.unsqueeze(-1)
     p_draft = target_probs[:, :-1].gather(-1, drafts).squeeze(-1)
     q_draft = draft_probs.gather(-1, drafts).squeeze(-1)
-    accepted = (u_accept * q_draft < p_draft).long()
-    num_accepted = accepted.cumprod(-1).sum(-1)
+    accepted, num_accepted = accept_drafts(p_draft, q_draft, u_accept)
+    final = final_draw(target_probs, draft_probs, num_accepted, u_final)
+    return num_accepted, committed_tokens(accepted, draft_tokens, final)
 
+
+def accept_drafts(p_draft: Tensor, q_draft: Tensor, u_accept: Tensor) -> tuple[Tensor, Tensor]:
+    """The accept test per draft, p and q at the drafts [B, K]: (accepted 0/1 [B, K], a [B])."""
+    accepted = (u_accept * q_draft < p_draft).long()
+    return accepted, accepted.cumprod(-1).sum(-1)
+
+
+def final_draw(target_probs: Tensor, draft_probs: Tensor, num_accepted: Tensor, u_final: Tensor) -> Tensor:
+    """The token after the accepted drafts: from normalize(max(p_a - q_a, 0)), from p_a if that is empty."""
+    batch, _, vocab = target_probs.shape
     # q_K = 0 makes the residual at the bonus position p_K itself, so one formula covers both.
     q = draft_probs.float()
     q_padded = torch.cat([q, q.new_zeros(batch, 1, vocab)], dim=1)
@@ -114,14 +124,17 @@ def rejection_sample(
     q_final = q_padded.gather(1, row).squeeze(1)
     residual = (p_final - q_final).clamp_min(0)
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_final)
-    final = sample_from_probs(residual, u_final)
+    return sample_from_probs(residual, u_final)
 
-    # Draft i is committed iff drafts 0..i were all accepted; the last position always holds `final`.
-    # (Built from the accept prefix, not an arange, so the subgraph shares no node with the rest of
-    # the verify graph and the fusion pass can replace it whole.)
+
+def committed_tokens(accepted: Tensor, draft_tokens: Tensor, final: Tensor) -> Tensor:
+    """[B, K+1]: the drafts up to the first rejection, then `final` [B] in every later position.
+
+    Built from the accept prefix, not an arange, so the verify sampling shares no node with the rest
+    of the verify graph and the fusion pass can replace it whole."""
     final = final.unsqueeze(-1)
     kept = torch.where(accepted.cumprod(-1) > 0, draft_tokens, final)
-    return num_accepted, torch.cat([kept, final], dim=1)
+    return torch.cat([kept, final], dim=1)
 
 
 def verify_sample(

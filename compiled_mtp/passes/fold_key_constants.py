@@ -25,6 +25,8 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from torch._inductor.runtime.cache_dir_utils import cache_dir
 from torch.utils._pytree import tree_map_only
 
+from .fx_nodes import upstream
+
 PREFIX = "_folded_"
 # name -> value of every constant this process folded or read back
 _FOLDED: dict[str, torch.Tensor] = {}
@@ -73,22 +75,10 @@ def _random(node: fx.Node) -> bool:
 def _evaluate(node: fx.Node) -> torch.Tensor:
     """Run `node` and its (key-only) inputs on real tensors."""
     env: dict[fx.Node, object] = {}
-    for n in _ancestors(node):
+    for n in upstream([node]):
         args, kwargs = tree_map_only(fx.Node, env.__getitem__, (n.args, n.kwargs))
         env[n] = n.target(*args, **kwargs)
     return env[node].clone()
-
-
-def _ancestors(node: fx.Node) -> list[fx.Node]:
-    seen, stack, found = set(), [node], []
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            found.append(n)
-            stack.extend(n.all_input_nodes)
-    order = {n: i for i, n in enumerate(node.graph.nodes)}
-    return sorted(found, key=order.get)
 
 
 def folded_name(value: torch.Tensor) -> str:

@@ -1,6 +1,6 @@
 """Fuse the verify graph's sampling subgraph into `compiled_mtp::verify_sample`.
 
-The subgraph is what `graphs.sampling.verify_sample` traced to: about 80 post-grad nodes (softmax,
+The subgraph is what `graphs.sampling.verify_sample` traced to: about 100 post-grad nodes (softmax,
 argmax and one-hot rows, a stable sort of every row, cumsums, scatters, the accept test, the
 residual draw). Inductor's own rewrites reshape it (the one-hot scatter becomes a compare, softmax is
 split around the temperature), so no fixed pattern describes it. It is found by provenance instead:
@@ -25,6 +25,7 @@ from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch._inductor.pattern_matcher import stable_topological_sort
 
+from .fx_nodes import in_graph_order, upstream
 from .kernels import verify_sample as op_module
 
 log = logging.getLogger("compiled_mtp.passes")
@@ -69,10 +70,9 @@ def _region(graph: fx.Graph) -> set[fx.Node]:
 
 def _boundary(graph: fx.Graph, region: set[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
     """External nodes the region reads and region nodes read outside it, in graph order."""
-    order = {n: i for i, n in enumerate(graph.nodes)}
     inputs = {a for n in region for a in n.all_input_nodes if a not in region}
     outputs = {n for n in region if any(u not in region for u in n.users)}
-    return sorted(inputs, key=order.get), sorted(outputs, key=order.get)
+    return in_graph_order(inputs, graph), in_graph_order(outputs, graph)
 
 
 def _signature(node: fx.Node) -> tuple[int, bool]:
@@ -100,7 +100,8 @@ def _roles(inputs: list[fx.Node], outputs: list[fx.Node]):
         for temperature, top_p in itertools.permutations(by_kind[(1, True)])
     ]
     try:
-        agreement = [_agreement(args, outputs, inputs) for args in candidates]
+        region = _standalone(inputs, outputs)
+        agreement = [_agreement(region, args, inputs) for args in candidates]
     except Exception as e:  # the region does not run as the verify sampling would (another graph)
         return f"the region does not run on probe inputs ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
     agreeing = [args for args, share in zip(candidates, agreement) if share >= _AGREEMENT]
@@ -110,11 +111,10 @@ def _roles(inputs: list[fx.Node], outputs: list[fx.Node]):
     return agreeing[0], tuple(outputs)
 
 
-def _agreement(args: list[fx.Node], outputs: list[fx.Node], inputs: list[fx.Node]) -> float:
+def _agreement(region: fx.GraphModule, args: list[fx.Node], inputs: list[fx.Node]) -> float:
     """The share of probe rows where region and fused op commit the same tokens. Not necessarily all:
     the region's softmax and cumulative sums round differently, so a uniform within rounding of a
     step of the CDF may pick the neighbouring token."""
-    region = _standalone(inputs, outputs)
     gen = torch.Generator().manual_seed(0)
     batch = args[0].meta["val"].shape[0]
     same = total = 0
@@ -131,26 +131,10 @@ def _standalone(inputs: list[fx.Node], outputs: list[fx.Node]) -> fx.GraphModule
     """The region as a module of its own: inputs -> outputs."""
     sub = fx.Graph()
     env: dict[fx.Node, fx.Node] = {n: sub.placeholder(f"in{i}") for i, n in enumerate(inputs)}
-    region_nodes = _between(inputs, outputs)
-    for n in region_nodes:
+    for n in upstream(outputs, stop=inputs):
         env[n] = sub.node_copy(n, lambda a: env[a])
     sub.output(tuple(env[n] for n in outputs))
     return fx.GraphModule(torch.nn.Module(), sub)
-
-
-def _between(inputs: list[fx.Node], outputs: list[fx.Node]) -> list[fx.Node]:
-    """The nodes computing `outputs` from `inputs`, in graph order."""
-    seen, stack = set(inputs), list(outputs)
-    nodes = []
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        nodes.append(n)
-        stack.extend(n.all_input_nodes)
-    order = {n: i for i, n in enumerate(next(iter(outputs)).graph.nodes)}
-    return sorted(nodes, key=order.get)
 
 
 # (temperature, top_k, top_p) of probe rows: greedy, temperature-only, top-k, top-p, mixes, chosen so
@@ -180,8 +164,7 @@ def _probe_inputs(args: list[fx.Node], probe: int, gen: torch.Generator) -> list
 
 
 def _replace(graph: fx.Graph, args: list[fx.Node], accepted: fx.Node, tokens: fx.Node) -> None:
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    with graph.inserting_after(max(args, key=order.get)):
+    with graph.inserting_after(in_graph_order(args, graph)[-1]):
         fused = graph.call_function(FUSED, tuple(args))
     with graph.inserting_after(fused):
         new_tokens = graph.call_function(operator.getitem, (fused, 1))

@@ -54,6 +54,11 @@ def inductor_options(enabled: tuple[str, ...] | None = None) -> dict[str, Any]:
     return {"post_grad_custom_post_pass": PassManager(available() if enabled is None else enabled)}
 
 
+def without(disabled: list[str]) -> tuple[str, ...]:
+    """Every registered pass except `disabled` (what --disable-pass leaves on)."""
+    return tuple(name for name in available() if name not in disabled)
+
+
 def add_pass_switch(parser: argparse.ArgumentParser) -> None:
     """The command-line switch that turns passes off, for benchmarks and bisecting."""
     parser.add_argument(

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...graphs.sampling import processed_probs, sample_from_probs
+from ...graphs.sampling import accept_drafts, committed_tokens, final_draw, processed_probs
 
 # Tokens sorted per row for top-k/top-p, tried in turn (the traced definition sorts the whole vocabulary).
 CANDIDATES = (1024, 16384)
@@ -47,14 +47,12 @@ def verify_sample(
     p_draft[sampled] = probs[:, :k].gather(-1, drafts[sampled, :, None]).squeeze(-1)
 
     q_draft = draft_probs.gather(-1, drafts[..., None]).squeeze(-1)
-    accepted = (noise[:, :k] * q_draft < p_draft).long()
-    num_accepted = accepted.cumprod(-1).sum(-1)
+    accepted, num_accepted = accept_drafts(p_draft, q_draft, noise[:, :k])
 
     final = torch.empty(batch, dtype=torch.long)
     final[g] = argmax.gather(1, num_accepted[g, None]).squeeze(1)
-    final[sampled] = _final_draw(probs, draft_probs[sampled], num_accepted[sampled], noise[sampled, k])
-    final = final[:, None]
-    return num_accepted, torch.cat([torch.where(accepted.cumprod(-1) > 0, drafts, final), final], dim=1)
+    final[sampled] = final_draw(probs, draft_probs[sampled], num_accepted[sampled], noise[sampled, k])
+    return num_accepted, committed_tokens(accepted, drafts, final)
 
 
 @verify_sample.register_fake
@@ -109,14 +107,3 @@ def _filter_candidates(probs: Tensor, k: Tensor, p: Tensor, m: int) -> tuple[Ten
     last_kept = torch.where(kept > 0, kept, torch.inf).amin(-1, keepdim=True)
     unsure = (last_kept <= top.values[:, -1:]) | ((k >= m) & (k < vocab))
     return filtered / filtered.sum(-1, keepdim=True), unsure.squeeze(1)
-
-
-def _final_draw(probs: Tensor, draft_probs: Tensor, num_accepted: Tensor, u: Tensor) -> Tensor:
-    """rejection_sample's final token: from normalize(max(p_a - q_a, 0)), q_K = 0, falling back to p_a."""
-    n, rows, vocab = probs.shape
-    p = probs.gather(1, num_accepted.view(n, 1, 1).expand(n, 1, vocab)).squeeze(1)
-    q = torch.cat([draft_probs.float(), draft_probs.new_zeros(n, 1, vocab)], dim=1)
-    q = q.gather(1, num_accepted.view(n, 1, 1).expand(n, 1, vocab)).squeeze(1)
-    residual = (p - q).clamp_min(0)
-    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
-    return sample_from_probs(residual, u)

@@ -437,15 +437,15 @@ def verify_cases(draw):
 @SETTINGS
 @given(verify_cases())
 def test_fused_verify_op_gives_the_traced_tokens(case):
-    """Also with candidate counts below the vocabulary, so top-k/top-p rows take the candidate sort,
-    the larger count and the full sort."""
+    """Also with fewer spare buckets past the cut, so top-k/top-p rows take the candidate sort with
+    candidates that only just decide the cut, and (SPARE_BUCKETS < 0) often the full sort."""
     from unittest import mock
 
     from compiled_mtp.graphs.sampling import verify_sample
     from compiled_mtp.passes.kernels import verify_sample as kernel
 
     expected = verify_sample(*case)
-    for candidates in (kernel.CANDIDATES, (2, 5), (4,)):
-        with mock.patch.object(kernel, "CANDIDATES", candidates):
+    for spare in (kernel.SPARE_BUCKETS, 0, -3):
+        with mock.patch.object(kernel, "SPARE_BUCKETS", spare):
             got = kernel.verify_sample(*case)
-        assert torch.equal(expected[0], got[0]) and torch.equal(expected[1], got[1]), candidates
+        assert torch.equal(expected[0], got[0]) and torch.equal(expected[1], got[1]), spare

@@ -122,6 +122,11 @@ def final_draw(target_probs: Tensor, draft_probs: Tensor, num_accepted: Tensor, 
     row = num_accepted.view(batch, 1, 1).expand(batch, 1, vocab)
     p_final = target_probs.float().gather(1, row).squeeze(1)
     q_final = q_padded.gather(1, row).squeeze(1)
+    return residual_draw(p_final, q_final, u_final)
+
+
+def residual_draw(p_final: Tensor, q_final: Tensor, u_final: Tensor) -> Tensor:
+    """A token from normalize(max(p - q, 0)) per row of p_a and q_a [B, V] (q_K is zeros), from p if that is empty."""
     residual = (p_final - q_final).clamp_min(0)
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_final)
     return sample_from_probs(residual, u_final)

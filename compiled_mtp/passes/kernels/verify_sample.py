@@ -3,14 +3,17 @@
 The fusion pass (passes/fuse_verify_sampling.py) puts it in place of the traced
 `graphs.sampling.verify_sample`, which stays the definition: for the same noise this kernel commits
 the tokens that definition commits run eagerly (tests/test_sampling.py checks it over drawn inputs).
-Against a compiled graph, whose sums round in another order, the same holds for greedy requests; a
-sampled draw can differ only where its uniform falls within rounding of a step of the CDF. The traced subgraph must stay branch-free, so it sorts every row of the vocabulary for
-top-k/top-p and builds one-hot rows for greedy requests. Here a request takes only the work its
-parameters need:
+One sum rounds in another order: top-p's total mass (candidates first, then the rest), so a cut
+within float rounding of top_p could fall one token over. Against a compiled graph, whose sums
+round in another order too, the same holds for greedy requests; a sampled draw can differ only
+where its uniform falls within rounding of a step of the CDF.
+
+The traced subgraph must stay branch-free, so it sorts every row of the vocabulary for top-k/top-p
+and builds one-hot rows for greedy requests. Here a request takes only the work its parameters need:
 - greedy: one argmax per row; p(d) is 1 at the argmax, and the final token is the argmax of row a;
 - temperature without top-k/top-p: a softmax per row, no sort;
-- top-k or top-p: a sort of the 1024 (then 16384) most likely tokens instead of the vocabulary
-  (the traced definition itself where the cut may fall beyond them).
+- top-k or top-p: one pass finds how far down the distribution the cut can fall, and only the tokens
+  above that are sorted (the traced definition itself where they may not decide the cut).
 Each logits row is then read once for the accept test; only row a of each request is used for the
 final draw.
 """
@@ -20,10 +23,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...graphs.sampling import accept_drafts, committed_tokens, final_draw, processed_probs
+from ...graphs.sampling import accept_drafts, committed_tokens, processed_probs, residual_draw
 
-# Tokens sorted per row for top-k/top-p, tried in turn (the traced definition sorts the whole vocabulary).
-CANDIDATES = (1024, 16384)
+# Top-k/top-p candidates: mass buckets per row (a factor of sqrt(2) each; the last holds the rest), and
+# how many buckets past the cut the candidates reach, so that rounding in the bucket sums cannot move it out.
+BUCKETS = 64
+SPARE_BUCKETS = 1
 
 
 @torch.library.custom_op("compiled_mtp::verify_sample", mutates_args=(), device_types="cpu")
@@ -42,17 +47,29 @@ def verify_sample(
     p_draft = logits.new_zeros(batch, k)
     argmax = logits[g].argmax(-1)  # [G, K+1]
     p_draft[g] = (drafts[g] == argmax[:, :k]).float()
-    sampled = torch.cat([s, f])
-    probs = torch.cat([_softmax_rows(logits[s], temperature[s]), _filtered_rows(logits[f], temperature[f], top_k[f], top_p[f])])
-    p_draft[sampled] = probs[:, :k].gather(-1, drafts[sampled, :, None]).squeeze(-1)
+    sampled = ((s, _softmax_rows(logits[s], temperature[s])), (f, _filtered_rows(logits[f], temperature[f], top_k[f], top_p[f])))
+    for requests, probs in sampled:
+        p_draft[requests] = probs[:, :k].gather(-1, drafts[requests, :, None]).squeeze(-1)
 
     q_draft = draft_probs.gather(-1, drafts[..., None]).squeeze(-1)
     accepted, num_accepted = accept_drafts(p_draft, q_draft, noise[:, :k])
 
     final = torch.empty(batch, dtype=torch.long)
     final[g] = argmax.gather(1, num_accepted[g, None]).squeeze(1)
-    final[sampled] = final_draw(probs, draft_probs[sampled], num_accepted[sampled], noise[sampled, k])
+    for requests, probs in sampled:
+        a = num_accepted[requests]
+        p_final = probs[torch.arange(len(requests)), a]
+        final[requests] = residual_draw(p_final, _draft_row(draft_probs, requests, a), noise[requests, k])
     return num_accepted, committed_tokens(accepted, drafts, final)
+
+
+def _draft_row(draft_probs: Tensor, requests: Tensor, a: Tensor) -> Tensor:
+    """q_a [R, V] of each request (zeros at a = K), as final_draw pads it."""
+    k = draft_probs.shape[1]
+    if k == 0:
+        return draft_probs.new_zeros(len(requests), draft_probs.shape[-1]).float()
+    q = draft_probs[requests, a.clamp(max=k - 1)].float()
+    return torch.where((a < k)[:, None], q, 0.0)
 
 
 @verify_sample.register_fake
@@ -68,42 +85,76 @@ def _softmax_rows(logits: Tensor, temperature: Tensor) -> Tensor:
 
 
 def _filtered_rows(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
-    """processed_probs for rows with top-k or top-p, sorting only the most likely tokens.
+    """processed_probs for rows with top-k or top-p, sorting only the tokens that can be kept.
 
-    The cut nearly always falls among the first CANDIDATES[0] tokens; a row where it may not (its
-    kept tokens reach the smallest candidate's probability, or top_k needs more candidates) tries
-    the next count, and the traced definition (a sort of the whole vocabulary) after the last."""
+    One pass sorts each row's mass into buckets by probability (a factor of sqrt(2) apart, relative
+    to the row's maximum); the candidates are every token down to SPARE_BUCKETS buckets past the one
+    where the mass reaches top_p (and the count top_k). A row where the candidates may not decide the
+    cut takes the traced definition (a sort of the whole vocabulary)."""
     n, rows, vocab = logits.shape
     probs = torch.softmax(logits / temperature[:, None, None], dim=-1).reshape(n * rows, vocab)
-    k, p = top_k.repeat_interleave(rows), top_p.repeat_interleave(rows).float()
-    out = torch.empty_like(probs)
-    todo = torch.arange(n * rows)
-    for m in CANDIDATES:
-        if not len(todo) or m >= vocab:
-            break
-        filtered, unsure = _filter_candidates(probs[todo], k[todo, None], p[todo, None], m)
-        out[todo[~unsure]] = filtered[~unsure]
-        todo = todo[unsure]
+    if not n:
+        return probs.view(n, rows, vocab)
+    k, p = top_k.repeat_interleave(rows)[:, None], top_p.repeat_interleave(rows).float()[:, None]
+    out, unsure = _filter_candidates(probs, k, p, _candidate_threshold(probs, k, p))
+    todo = unsure.nonzero().squeeze(1)
     if len(todo):
-        out[todo] = processed_probs(logits.reshape(n * rows, vocab)[todo], temperature.repeat_interleave(rows)[todo], k[todo], p[todo])
+        out[todo] = processed_probs(logits.reshape(n * rows, vocab)[todo], temperature.repeat_interleave(rows)[todo], k[todo, 0], p[todo, 0])
     return out.view(n, rows, vocab)
 
 
-def _filter_candidates(probs: Tensor, k: Tensor, p: Tensor, m: int) -> tuple[Tensor, Tensor]:
-    """(processed_probs's rows from the m most likely tokens of `probs` [R, V], rows where that may be wrong)."""
+def _candidate_threshold(probs: Tensor, k: Tensor, p: Tensor) -> Tensor:
+    """Per row [R, 1]: a probability whose tokens at or above it should hold the top-p cut and the top k."""
+    top = probs.amax(-1, keepdim=True)
+    # Bucket b holds prob/max in (2^-(b+1)/2, 2^-b/2]; the last one everything below.
+    steps = (probs / top).log2_().mul_(-2).clamp_(max=BUCKETS - 1).long()
+    mass = torch.zeros(len(probs), BUCKETS).scatter_add_(1, steps, probs).cumsum(-1)
+    need = torch.where(p < 1, (mass < p * mass[:, -1:]).sum(-1, keepdim=True), 0)
+    limits_k = _limits_k(k, probs.shape[-1])
+    if limits_k.any():  # top-p is relative to the top-k mass, so with top-k the top k tokens are all it needs
+        count = torch.zeros(len(probs), BUCKETS).scatter_add_(1, steps, torch.ones_like(probs)).cumsum(-1)
+        need = torch.where(limits_k, (count < k).sum(-1, keepdim=True), need)
+    last = (need + SPARE_BUCKETS).clamp_min(0)  # the most likely token is always one
+    return torch.where(last >= BUCKETS - 1, 0.0, top * torch.exp2(-(last + 1) / 2))
+
+
+def _filter_candidates(probs: Tensor, k: Tensor, p: Tensor, threshold: Tensor) -> tuple[Tensor, Tensor]:
+    """(processed_probs's rows from the tokens of `probs` [R, V] at or above `threshold` [R, 1],
+    rows where those may not decide the cut)."""
     vocab = probs.shape[-1]
-    top = probs.topk(m, dim=-1)
-    # In the traced order: probability descending, ties by token id.
-    ids = top.indices.sort(dim=-1).values
-    values, order = probs.gather(-1, ids).sort(dim=-1, descending=True, stable=True)
-    ids = ids.gather(-1, order)
-    rank = torch.arange(m)
+    is_candidate = probs >= threshold
+    ids, values, count = _padded_candidates(probs, is_candidate)  # ids ascending, padding valued -1
+    # In the traced order: probability descending, ties by token id; padding last.
+    values, order = values.sort(dim=-1, descending=True, stable=True)
+    ids, values = ids.gather(-1, order), values.clamp_min(0)
+    rank = torch.arange(values.shape[-1])
     values = values * ((rank < k) | (k <= 0))
     cumulative = values.cumsum(-1)
-    tail = probs.scatter(-1, ids, 0.0).sum(-1, keepdim=True) * ((k <= 0) | (k >= vocab))
-    keep = (cumulative - values < p * (cumulative[:, -1:] + tail)) | (rank == 0) | (p >= 1)
-    kept = values * keep
-    filtered = torch.zeros_like(probs).scatter(-1, ids, kept)
-    last_kept = torch.where(kept > 0, kept, torch.inf).amin(-1, keepdim=True)
-    unsure = (last_kept <= top.values[:, -1:]) | ((k >= m) & (k < vocab))
-    return filtered / filtered.sum(-1, keepdim=True), unsure.squeeze(1)
+    limits_k = _limits_k(k, vocab)
+    tail = probs.masked_fill(is_candidate, 0.0).sum(-1, keepdim=True) * ~limits_k
+    top_p_mass = p * (cumulative[:, -1:] + tail)
+    keep = (cumulative - values < top_p_mass) | (rank == 0) | (p >= 1)
+    filtered = torch.zeros_like(probs).scatter_add_(-1, ids, values * keep)  # padding adds 0 to token 0
+    # Every other token ranks below the candidates: it is cut by top-k once the candidates hold the top
+    # k, else by top-p once the candidates' mass reaches top_p.
+    unsure = torch.where(limits_k, k > count, (p < 1) & (cumulative[:, -1:] < top_p_mass))
+    return filtered.div_(filtered.sum(-1, keepdim=True)), unsure.squeeze(1)
+
+
+def _limits_k(k: Tensor, vocab: int) -> Tensor:
+    return (k > 0) & (k < vocab)
+
+
+def _padded_candidates(probs: Tensor, is_candidate: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Each row's candidates packed to the front of [R, most candidates in a row]: (token ids in
+    ascending order, their probabilities, -1 past the row's last), and the count per row [R, 1]."""
+    count = is_candidate.sum(-1, keepdim=True)
+    row, ids = is_candidate.nonzero(as_tuple=True)
+    first = (count.cumsum(0) - count).squeeze(1)
+    position = torch.arange(len(ids)) - first[row]
+    width = int(count.max())
+    padded_ids = torch.zeros(len(probs), width, dtype=torch.long)
+    padded_values = torch.full((len(probs), width), -1.0)
+    padded_ids[row, position] = ids
+    padded_values[row, position] = probs[row, ids]
+    return padded_ids, padded_values, count

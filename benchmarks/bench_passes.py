@@ -14,7 +14,9 @@
    time is measured (graphs have static shapes, so it does not depend on acceptance) and multiplied
    by a fixed acceptance, as SGLang's SIMULATE_ACC_LEN does: each draft is accepted with probability
    0.8 given the previous one was, i.e. 1 + 0.8 + ... + 0.8^K tokens per step. Also: one
-   target_verify at K=3 (4 rows) against one at K=0 (a plain decode step).
+   target_verify at K=3 (4 rows) against one at K=0 (a plain decode step), as routed and with every
+   token routed to the same experts (which separates the extra expert weights 4 rows read), and the
+   LM head alone at 4 rows against 1 (F.linear off, the packed op on).
 Results are printed and written to benchmarks/passes-cpu.json.
 """
 
@@ -25,9 +27,11 @@ import json
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -37,7 +41,9 @@ from compiled_mtp.bench import _generate  # noqa: E402
 from compiled_mtp.capture.compiler import _own_code  # noqa: E402
 from compiled_mtp.graphs.sampling import verify_sample  # noqa: E402
 from compiled_mtp.models.checkpoint import load_model  # noqa: E402
+from compiled_mtp.models.deepseek_v3 import Router  # noqa: E402
 from compiled_mtp.models.synthetic import preset_config, write_random_checkpoint  # noqa: E402
+from compiled_mtp.passes.kernels.packed_linear import linear as packed_linear  # noqa: E402
 from compiled_mtp.passes.manager import available, inductor_options  # noqa: E402
 from compiled_mtp.runtime import SamplingParams  # noqa: E402
 
@@ -98,7 +104,7 @@ def bench_e2e(args: argparse.Namespace) -> dict:
     params_m = sum(p.numel() for p in model.parameters()) / 1e6
     prompt = torch.randint(0, VOCAB, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
     sampling = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
-    result = {"parameters_m": params_m, "rows": [], "verify_ms": {}}
+    result = {"parameters_m": params_m, "rows": [], "verify_ms": {}, "lm_head_ms": {}}
     for name, passes in (("off", ()), ("on", available())):
         for k in args.depths:
             start = time.perf_counter()
@@ -111,15 +117,54 @@ def bench_e2e(args: argparse.Namespace) -> dict:
             result["rows"].append({"passes": name, "K": k, "step_ms": step_ms, "simulated_tokens_per_step": per_step, "simulated_tok_s": 1e3 * per_step / step_ms, "compile_s": compile_s})
             print(f"  passes {name:3s} K={k}: {step_ms:7.1f} ms/step, simulated {1e3 * per_step / step_ms:6.1f} tok/s (compile {compile_s:.0f} s)", flush=True)
             if k in (0, 3):
-                # The step's uniforms as Runtime._decode lays them out (K - 1 draft, K + 1 verify, 1 extend).
-                decode_w = max(k - 1, 0)
-                noise = torch.zeros(1, decode_w + k + 1 + (k > 0))[:, decode_w : decode_w + k + 1]
-                slots, lens = torch.tensor([0]), torch.tensor([args.prompt_len])
-                result["verify_ms"].setdefault(name, {})[k] = best_ms(lambda: rt.graphs(("target_verify", 1, k), slots, lens, noise), args.runs * 3)
-        v = result["verify_ms"].get(name, {})
-        if 0 in v and 3 in v:
-            print(f"  passes {name}: target_verify 4 rows {v[3]:.1f} ms vs 1 row {v[0]:.1f} ms: {v[3] / v[0]:.2f}x", flush=True)
+                for label, ms in verify_ms(rt, model, k, args).items():
+                    result["verify_ms"].setdefault(f"{name}{label}", {})[k] = ms
+        for label in (name, f"{name}, same experts"):
+            v = result["verify_ms"].get(label, {})
+            if 0 in v and 3 in v:
+                print(f"  passes {label}: target_verify 4 rows {v[3]:.1f} ms vs 1 row {v[0]:.1f} ms: {v[3] / v[0]:.2f}x", flush=True)
+        h = result["lm_head_ms"][name] = lm_head_ms(model, name == "on", args.runs * 3)
+        print(f"  passes {name}: the LM head alone, 4 rows {h[4]:.1f} ms vs 1 row {h[1]:.1f} ms: {h[4] / h[1]:.2f}x", flush=True)
     return result
+
+
+def verify_ms(rt: Runtime, model: torch.nn.Module, k: int, args: argparse.Namespace) -> dict[str, float]:
+    """One target_verify call at depth k, as routed and with every token routed to the same experts."""
+    # The step's uniforms as Runtime._decode lays them out (K - 1 draft, K + 1 verify, 1 extend).
+    decode_w = max(k - 1, 0)
+    noise = torch.zeros(1, decode_w + k + 1 + (k > 0))[:, decode_w : decode_w + k + 1]
+    slots, lens = torch.tensor([0]), torch.tensor([args.prompt_len])
+    verify = lambda: rt.graphs(("target_verify", 1, k), slots, lens, noise)  # noqa: E731
+    routed = best_ms(verify, args.runs * 3)
+    with same_experts(model):
+        return {"": routed, ", same experts": best_ms(verify, args.runs * 3)}
+
+
+def lm_head_ms(model: torch.nn.Module, packed: bool, runs: int) -> dict[int, float]:
+    """The LM head alone on 1 and 4 rows: F.linear, or the packed op the packed_linear pass puts in."""
+    weight = model.lm_head.weight
+    head = packed_linear if packed else F.linear
+    return {rows: best_ms(lambda x=torch.randn(rows, weight.shape[1]): head(x, weight, None), runs) for rows in (1, 4)}
+
+
+@contextmanager
+def same_experts(model: torch.nn.Module):
+    """Every token routed to the same experts (router weights zero, a fixed bias order), so 4 verify rows
+    need no more distinct expert weights than 1: what the ratio is without MoE's extra reads. Graphs read the
+    router's parameters at each call, so compiled graphs follow without a rebuild."""
+    routers = [m for m in model.modules() if isinstance(m, Router)]
+    saved = [(r.weight.clone(), r.e_score_correction_bias.clone()) for r in routers]
+    with torch.no_grad():
+        for r in routers:
+            r.weight.zero_()
+            r.e_score_correction_bias.copy_(torch.linspace(1, 0, r.e_score_correction_bias.numel()))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for r, (weight, bias) in zip(routers, saved):
+                r.weight.copy_(weight)
+                r.e_score_correction_bias.copy_(bias)
 
 
 def main() -> None:

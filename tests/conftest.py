@@ -5,12 +5,17 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
-from hypothesis import HealthCheck, settings
-from transformers import DeepseekV3ForCausalLM
-from transformers.utils import logging as hf_logging
+import torch
 
-from tests.factory import load_hf, tiny_config, write_checkpoint, write_echo_checkpoint
+if not torch.cuda.is_available():  # before any Triton kernel is defined: they run in Triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+from transformers import DeepseekV3ForCausalLM  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+from tests.factory import load_hf, tiny_config, write_checkpoint, write_echo_checkpoint  # noqa: E402
 
 # "ci" (default): deterministic and quick. "thorough": HYPOTHESIS_PROFILE=thorough pytest ...
 settings.register_profile(

@@ -9,7 +9,8 @@ created without a trace join when all their users are in the region. The region 
 the function's inputs and outputs. Before anything is replaced, the region and the fused op run on
 seeded probe inputs of the graph's shapes; the replacement happens only if they agree on the
 committed tokens (up to rounding, see `_agreement`), which also tells apart the two [B] float
-inputs (temperature, top_p). A graph where any of this fails is left
+inputs (temperature, top_p). The probes run on the graph's device, so on CUDA they check the Triton
+kernel (kernels/verify_sample_triton.py) the graph will run. A graph where any of this fails is left
 as it was, with a log line.
 """
 
@@ -27,6 +28,7 @@ from torch._inductor.pattern_matcher import stable_topological_sort
 
 from .fx_nodes import in_graph_order, upstream
 from .kernels import verify_sample as op_module
+from .kernels import verify_sample_triton as triton_kernel  # registers the CUDA kernel where Triton is installed
 
 log = logging.getLogger("compiled_mtp.passes")
 FUSED = torch.ops.compiled_mtp.verify_sample.default
@@ -42,7 +44,7 @@ class FuseVerifySampling(CustomGraphPass):
             return
         inputs, outputs = _boundary(graph, region)
         devices = {n.meta["val"].device.type for n in inputs if isinstance(n.meta.get("val"), torch.Tensor)}
-        if devices != {"cpu"}:
+        if devices != {"cpu"} and not (devices == {"cuda"} and triton_kernel.available()):
             log.warning("fuse_verify_sampling: no fused kernel for %s; the sampling subgraph stays unfused", "/".join(sorted(devices)))
             return
         roles = _roles(inputs, outputs)
@@ -53,7 +55,7 @@ class FuseVerifySampling(CustomGraphPass):
         _replace(graph, args, accepted, tokens)
 
     def uuid(self) -> str:
-        return get_hash_for_files((__file__, op_module.__file__)).hex()
+        return get_hash_for_files((__file__, op_module.__file__, triton_kernel.__file__)).hex()
 
 
 def _region(graph: fx.Graph) -> set[fx.Node]:
@@ -160,7 +162,8 @@ def _probe_inputs(args: list[fx.Node], probe: int, gen: torch.Generator) -> list
     q = torch.softmax(torch.randn(batch, k, vocab, generator=gen) * 3, dim=-1)
     drafts = torch.where(torch.rand(batch, k, generator=gen) < 0.7, logits[:, :k].argmax(-1), torch.randint(0, vocab, (batch, k), generator=gen))
     noise = torch.rand(batch, rows, generator=gen)
-    return [logits, temperature.float(), top_k.long(), top_p.float(), drafts.to(drafts_val.dtype), q.to(probs_val.dtype), noise.to(noise_val.dtype)]
+    values = [logits, temperature.float(), top_k.long(), top_p.float(), drafts.to(drafts_val.dtype), q.to(probs_val.dtype), noise.to(noise_val.dtype)]
+    return [v.to(logits_val.device) for v in values]  # on the graph's device: that device's kernel is what runs
 
 
 def _replace(graph: fx.Graph, args: list[fx.Node], accepted: fx.Node, tokens: fx.Node) -> None:

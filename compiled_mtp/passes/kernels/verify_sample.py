@@ -20,6 +20,10 @@ final draw.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
 import torch
 from torch import Tensor
 
@@ -36,30 +40,85 @@ def verify_sample(
     logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, drafts: Tensor, draft_probs: Tensor, noise: Tensor
 ) -> tuple[Tensor, Tensor]:
     """Arguments and results as `graphs.sampling.verify_sample`: (num_accepted [B], tokens [B, K+1])."""
-    batch, rows, vocab = logits.shape
-    k = rows - 1
+    plain = lambda logits, t: Probs(_softmax_rows(logits, t))  # noqa: E731
+    filtered = lambda logits, t, k, p: Probs(_filtered_rows(logits, t, k, p))  # noqa: E731
+    return verify_by_kind(plain, filtered, logits, temperature, top_k, top_p, drafts, draft_probs, noise)
+
+
+@verify_sample.register_fake
+def _(logits, temperature, top_k, top_p, drafts, draft_probs, noise):
+    batch, rows, _ = logits.shape
+    return logits.new_empty(batch, dtype=torch.long), logits.new_empty(batch, rows, dtype=torch.long)
+
+
+def verify_by_kind(
+    plain: Callable[[Tensor, Tensor], Rows], filtered: Callable[[Tensor, Tensor, Tensor, Tensor], Rows],
+    logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, drafts: Tensor, draft_probs: Tensor, noise: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """The op, given how a device reads the rows of requests sampled at a temperature alone
+    (`plain(logits, temperature)`) and of those with top-k or top-p (`filtered(logits, t, k, p)`);
+    greedy requests take an argmax."""
     logits = logits.float()
     greedy = temperature <= 0
-    plain = ~greedy & ((top_k <= 0) | (top_k >= vocab)) & (top_p >= 1)
-    g, s, f = (mask.nonzero().squeeze(1) for mask in (greedy, plain, ~greedy & ~plain))
+    plain_mask = ~greedy & ~_limits_k(top_k, logits.shape[-1]) & (top_p >= 1)
+    g, s, f = (mask.nonzero().squeeze(1) for mask in (greedy, plain_mask, ~greedy & ~plain_mask))
+    groups = [
+        (g, Argmax(logits[g].argmax(-1))),
+        (s, plain(logits[s], temperature[s])),
+        (f, filtered(logits[f], temperature[f], top_k[f], top_p[f])),
+    ]
+    return verify(groups, drafts, draft_probs, noise)
 
-    # p_i(d_i) for the accept test, and each sampled request's K+1 distributions for the final draw.
-    p_draft = logits.new_zeros(batch, k)
-    argmax = logits[g].argmax(-1)  # [G, K+1]
-    p_draft[g] = (drafts[g] == argmax[:, :k]).float()
-    sampled = ((s, _softmax_rows(logits[s], temperature[s])), (f, _filtered_rows(logits[f], temperature[f], top_k[f], top_p[f])))
-    for requests, probs in sampled:
-        p_draft[requests] = probs[:, :k].gather(-1, drafts[requests, :, None]).squeeze(-1)
 
+class Rows(Protocol):
+    """What the accept test and the final draw need of a group of requests' K+1 rows."""
+
+    def p_draft(self, drafts: Tensor) -> Tensor:
+        """p_i(d_i) [R, K] of the drafts [R, K]."""
+
+    def final(self, a: Tensor, q_a: Callable[[], Tensor], u: Tensor) -> Tensor:
+        """The token [R] after a accepted drafts, from row a, q_a() [R, V] and uniforms u [R]."""
+
+
+@dataclass
+class Argmax(Rows):
+    """Greedy requests: p is one-hot at each row's argmax [R, K+1]."""
+
+    argmax: Tensor
+
+    def p_draft(self, drafts: Tensor) -> Tensor:
+        return (drafts == self.argmax[:, :-1]).float()
+
+    def final(self, a: Tensor, q_a: Callable[[], Tensor], u: Tensor) -> Tensor:
+        return self.argmax.gather(1, a[:, None]).squeeze(1)  # the residual of a one-hot p is p or empty
+
+
+@dataclass
+class Probs(Rows):
+    """Sampled requests with their K+1 distributions [R, K+1, V]."""
+
+    probs: Tensor
+
+    def p_draft(self, drafts: Tensor) -> Tensor:
+        return self.probs[:, :-1].gather(-1, drafts[..., None]).squeeze(-1)
+
+    def final(self, a: Tensor, q_a: Callable[[], Tensor], u: Tensor) -> Tensor:
+        return residual_draw(self.probs[torch.arange(len(a), device=a.device), a], q_a(), u)
+
+
+def verify(groups: list[tuple[Tensor, Rows]], drafts: Tensor, draft_probs: Tensor, noise: Tensor) -> tuple[Tensor, Tensor]:
+    """The accept test and the final draw of every request, each group of requests [R] read through its Rows."""
+    batch, k = drafts.shape
+    p_draft = noise.new_zeros(batch, k)
+    for requests, rows in groups:
+        p_draft[requests] = rows.p_draft(drafts[requests])
     q_draft = draft_probs.gather(-1, drafts[..., None]).squeeze(-1)
     accepted, num_accepted = accept_drafts(p_draft, q_draft, noise[:, :k])
 
-    final = torch.empty(batch, dtype=torch.long)
-    final[g] = argmax.gather(1, num_accepted[g, None]).squeeze(1)
-    for requests, probs in sampled:
+    final = torch.empty(batch, dtype=torch.long, device=drafts.device)
+    for requests, rows in groups:
         a = num_accepted[requests]
-        p_final = probs[torch.arange(len(requests)), a]
-        final[requests] = residual_draw(p_final, _draft_row(draft_probs, requests, a), noise[requests, k])
+        final[requests] = rows.final(a, lambda: _draft_row(draft_probs, requests, a), noise[requests, k])
     return num_accepted, committed_tokens(accepted, drafts, final)
 
 
@@ -70,12 +129,6 @@ def _draft_row(draft_probs: Tensor, requests: Tensor, a: Tensor) -> Tensor:
         return draft_probs.new_zeros(len(requests), draft_probs.shape[-1]).float()
     q = draft_probs[requests, a.clamp(max=k - 1)].float()
     return torch.where((a < k)[:, None], q, 0.0)
-
-
-@verify_sample.register_fake
-def _(logits, temperature, top_k, top_p, drafts, draft_probs, noise):
-    batch, rows, _ = logits.shape
-    return logits.new_empty(batch, dtype=torch.long), logits.new_empty(batch, rows, dtype=torch.long)
 
 
 def _softmax_rows(logits: Tensor, temperature: Tensor) -> Tensor:

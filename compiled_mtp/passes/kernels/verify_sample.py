@@ -40,9 +40,7 @@ def verify_sample(
     logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, drafts: Tensor, draft_probs: Tensor, noise: Tensor
 ) -> tuple[Tensor, Tensor]:
     """Arguments and results as `graphs.sampling.verify_sample`: (num_accepted [B], tokens [B, K+1])."""
-    plain = lambda logits, t: Probs(_softmax_rows(logits, t))  # noqa: E731
-    filtered = lambda logits, t, k, p: Probs(_filtered_rows(logits, t, k, p))  # noqa: E731
-    return verify_by_kind(plain, filtered, logits, temperature, top_k, top_p, drafts, draft_probs, noise)
+    return verify_by_kind(_softmax_rows, _filtered_rows, logits, temperature, top_k, top_p, drafts, draft_probs, noise)
 
 
 @verify_sample.register_fake
@@ -131,13 +129,13 @@ def _draft_row(draft_probs: Tensor, requests: Tensor, a: Tensor) -> Tensor:
     return torch.where((a < k)[:, None], q, 0.0)
 
 
-def _softmax_rows(logits: Tensor, temperature: Tensor) -> Tensor:
+def _softmax_rows(logits: Tensor, temperature: Tensor) -> Probs:
     """processed_probs without top-k/top-p: its final renormalization is kept, for equal rounding."""
     probs = torch.softmax(logits / temperature[:, None, None], dim=-1)
-    return probs / probs.sum(-1, keepdim=True)
+    return Probs(probs / probs.sum(-1, keepdim=True))
 
 
-def _filtered_rows(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+def _filtered_rows(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Probs:
     """processed_probs for rows with top-k or top-p, sorting only the tokens that can be kept.
 
     One pass sorts each row's mass into buckets by probability (a factor of sqrt(2) apart, relative
@@ -147,13 +145,13 @@ def _filtered_rows(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Te
     n, rows, vocab = logits.shape
     probs = torch.softmax(logits / temperature[:, None, None], dim=-1).reshape(n * rows, vocab)
     if not n:
-        return probs.view(n, rows, vocab)
+        return Probs(probs.view(n, rows, vocab))
     k, p = top_k.repeat_interleave(rows)[:, None], top_p.repeat_interleave(rows).float()[:, None]
     out, unsure = _filter_candidates(probs, k, p, _candidate_threshold(probs, k, p))
     todo = unsure.nonzero().squeeze(1)
     if len(todo):
         out[todo] = processed_probs(logits.reshape(n * rows, vocab)[todo], temperature.repeat_interleave(rows)[todo], k[todo, 0], p[todo, 0])
-    return out.view(n, rows, vocab)
+    return Probs(out.view(n, rows, vocab))
 
 
 def _candidate_threshold(probs: Tensor, k: Tensor, p: Tensor) -> Tensor:

@@ -39,8 +39,12 @@ def verify_sample_triton(
     logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, drafts: Tensor, draft_probs: Tensor, noise: Tensor
 ) -> tuple[Tensor, Tensor]:
     """Arguments and results as `graphs.sampling.verify_sample`."""
-    filtered = lambda logits, t, k, p: Probs(processed_probs(logits, t[:, None], k[:, None], p[:, None]))  # noqa: E731
-    return verify_by_kind(OnlineSoftmax.of, filtered, logits, temperature, top_k, top_p, drafts, draft_probs, noise)
+    return verify_by_kind(OnlineSoftmax.of, _traced_rows, logits, temperature, top_k, top_p, drafts, draft_probs, noise)
+
+
+def _traced_rows(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Probs:
+    """Top-k/top-p requests: the traced definition (a sort of each row, on the GPU)."""
+    return Probs(processed_probs(logits, temperature[:, None], top_k[:, None], top_p[:, None]))
 
 
 @dataclass

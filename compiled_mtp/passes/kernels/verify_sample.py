@@ -61,11 +61,17 @@ def verify_by_kind(
     plain_mask = ~greedy & ~_limits_k(top_k, logits.shape[-1]) & (top_p >= 1)
     g, s, f = (mask.nonzero().squeeze(1) for mask in (greedy, plain_mask, ~greedy & ~plain_mask))
     groups = [
-        (g, Argmax(logits[g].argmax(-1))),
-        (s, plain(logits[s], temperature[s])),
-        (f, filtered(logits[f], temperature[f], top_k[f], top_p[f])),
+        (g, Argmax(_rows_of(logits, g).argmax(-1))),
+        (s, plain(_rows_of(logits, s), temperature[s])),
+        (f, filtered(_rows_of(logits, f), temperature[f], top_k[f], top_p[f])),
     ]
     return verify(groups, drafts, draft_probs, noise)
+
+
+def _rows_of(logits: Tensor, requests: Tensor) -> Tensor:
+    """logits[requests], without the copy when a batch's requests are all of one kind (`requests`
+    comes from nonzero: ascending, so all of them is 0..B-1)."""
+    return logits if len(requests) == len(logits) else logits[requests]
 
 
 class Rows(Protocol):
@@ -182,10 +188,11 @@ def _filter_candidates(probs: Tensor, k: Tensor, p: Tensor, threshold: Tensor) -
     values = values * ((rank < k) | (k <= 0))
     cumulative = values.cumsum(-1)
     limits_k = _limits_k(k, vocab)
-    tail = probs.masked_fill(is_candidate, 0.0).sum(-1, keepdim=True) * ~limits_k
+    # `probs` is spent from here on: its memory takes the tail, then the result.
+    tail = probs.masked_fill_(is_candidate, 0.0).sum(-1, keepdim=True) * ~limits_k
     top_p_mass = p * (cumulative[:, -1:] + tail)
     keep = (cumulative - values < top_p_mass) | (rank == 0) | (p >= 1)
-    filtered = torch.zeros_like(probs).scatter_add_(-1, ids, values * keep)  # padding adds 0 to token 0
+    filtered = probs.zero_().scatter_add_(-1, ids, values * keep)  # padding adds 0 to token 0
     # Every other token ranks below the candidates: it is cut by top-k once the candidates hold the top
     # k, else by top-p once the candidates' mass reaches top_p.
     unsure = torch.where(limits_k, k > count, (p < 1) & (cumulative[:, -1:] < top_p_mass))
@@ -199,8 +206,8 @@ def _limits_k(k: Tensor, vocab: int) -> Tensor:
 def _padded_candidates(probs: Tensor, is_candidate: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Each row's candidates packed to the front of [R, most candidates in a row]: (token ids in
     ascending order, their probabilities, -1 past the row's last), and the count per row [R, 1]."""
-    count = is_candidate.sum(-1, keepdim=True)
     row, ids = is_candidate.nonzero(as_tuple=True)
+    count = torch.bincount(row, minlength=len(probs))[:, None]  # not is_candidate.sum(): that copies it to int64 first
     first = (count.cumsum(0) - count).squeeze(1)
     position = torch.arange(len(ids)) - first[row]
     width = int(count.max())

@@ -129,8 +129,8 @@ if triton is not None:
         use_residual = r_mass > 0
         threshold = tl.load(u_ptr + row) * tl.where(use_residual, r_mass, p_mass)
         below = tl.full((), 0.0, tl.float32)
-        first = vocab
-        last_positive = 0
+        first = tl.full((), 0, tl.int32) + vocab
+        last_positive = tl.full((), 0, tl.int32)
         for start in range(0, vocab, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             mask = offs < vocab

@@ -13,10 +13,10 @@
    against none. A random model's drafts are never accepted, so tokens/s are SIMULATED: each step's
    time is measured (graphs have static shapes, so it does not depend on acceptance) and multiplied
    by a fixed acceptance, as SGLang's SIMULATE_ACC_LEN does: each draft is accepted with probability
-   0.8 given the previous one was, i.e. 1 + 0.8 + ... + 0.8^K tokens per step. Also: one
-   target_verify at K=3 (4 rows) against one at K=0 (a plain decode step), as routed and with every
-   token routed to the same experts (which separates the extra expert weights 4 rows read), and the
-   LM head alone at 4 rows against 1 (F.linear off, the packed op on).
+   0.8 given the previous one was, i.e. 1 + 0.8 + ... + 0.8^K tokens per step. Also, timed in
+   turns: one target_verify at K=3 (4 rows) against one at K=0 (a plain decode step), as routed
+   and with every token routed to the same experts (which separates the extra expert weights 4
+   rows read), and the LM head alone at 4 rows against 1 (F.linear off, the packed op on).
 Results are printed and written to benchmarks/passes-cpu.json.
 """
 
@@ -27,6 +27,7 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -106,6 +107,7 @@ def bench_e2e(args: argparse.Namespace) -> dict:
     sampling = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     result = {"parameters_m": params_m, "rows": [], "verify_ms": {}, "lm_head_ms": {}}
     for name, passes in (("off", ()), ("on", available())):
+        verify = {}
         for k in args.depths:
             start = time.perf_counter()
             rt = Runtime(model, mtp_depth=k, batch_sizes=(1,), max_seq_len=args.prompt_len + args.new_tokens + 8, prefill_chunk=args.prompt_len, passes=passes)
@@ -117,34 +119,46 @@ def bench_e2e(args: argparse.Namespace) -> dict:
             result["rows"].append({"passes": name, "K": k, "step_ms": step_ms, "simulated_tokens_per_step": per_step, "simulated_tok_s": 1e3 * per_step / step_ms, "compile_s": compile_s})
             print(f"  passes {name:3s} K={k}: {step_ms:7.1f} ms/step, simulated {1e3 * per_step / step_ms:6.1f} tok/s (compile {compile_s:.0f} s)", flush=True)
             if k in (0, 3):
-                for label, ms in verify_ms(rt, model, k, args).items():
-                    result["verify_ms"].setdefault(f"{name}{label}", {})[k] = ms
-        for label in (name, f"{name}, same experts"):
-            v = result["verify_ms"].get(label, {})
-            if 0 in v and 3 in v:
+                verify[k] = verify_call(rt, k, args)
+        if set(verify) == {0, 3}:
+            result["verify_ms"][name] = paired_best_ms(verify, args.runs * 3)
+            with same_experts(model):
+                result["verify_ms"][f"{name}, same experts"] = paired_best_ms(verify, args.runs * 3)
+            for label in (name, f"{name}, same experts"):
+                v = result["verify_ms"][label]
                 print(f"  passes {label}: target_verify 4 rows {v[3]:.1f} ms vs 1 row {v[0]:.1f} ms: {v[3] / v[0]:.2f}x", flush=True)
         h = result["lm_head_ms"][name] = lm_head_ms(model, name == "on", args.runs * 3)
         print(f"  passes {name}: the LM head alone, 4 rows {h[4]:.1f} ms vs 1 row {h[1]:.1f} ms: {h[4] / h[1]:.2f}x", flush=True)
     return result
 
 
-def verify_ms(rt: Runtime, model: torch.nn.Module, k: int, args: argparse.Namespace) -> dict[str, float]:
-    """One target_verify call at depth k, as routed and with every token routed to the same experts."""
-    # The step's uniforms as Runtime._decode lays them out (K - 1 draft, K + 1 verify, 1 extend).
+def verify_call(rt: Runtime, k: int, args: argparse.Namespace) -> Callable[[], object]:
+    """One target_verify call at depth k, with the step's uniforms as Runtime._decode lays them out
+    (K - 1 draft, K + 1 verify, 1 extend)."""
     decode_w = max(k - 1, 0)
     noise = torch.zeros(1, decode_w + k + 1 + (k > 0))[:, decode_w : decode_w + k + 1]
     slots, lens = torch.tensor([0]), torch.tensor([args.prompt_len])
-    verify = lambda: rt.graphs(("target_verify", 1, k), slots, lens, noise)  # noqa: E731
-    routed = best_ms(verify, args.runs * 3)
-    with same_experts(model):
-        return {"": routed, ", same experts": best_ms(verify, args.runs * 3)}
+    return lambda: rt.graphs(("target_verify", 1, k), slots, lens, noise)
+
+
+def paired_best_ms(calls: dict[int, Callable[[], object]], runs: int) -> dict[int, float]:
+    """Best time of each call, taking turns, so that both see the same state of a shared machine."""
+    for call in calls.values():
+        call()
+    times: dict[int, list[float]] = {key: [] for key in calls}
+    for _ in range(runs):
+        for key, call in calls.items():
+            start = time.perf_counter()
+            call()
+            times[key].append(time.perf_counter() - start)
+    return {key: 1e3 * min(t) for key, t in times.items()}
 
 
 def lm_head_ms(model: torch.nn.Module, packed: bool, runs: int) -> dict[int, float]:
     """The LM head alone on 1 and 4 rows: F.linear, or the packed op the packed_linear pass puts in."""
     weight = model.lm_head.weight
     head = packed_linear if packed else F.linear
-    return {rows: best_ms(lambda x=torch.randn(rows, weight.shape[1]): head(x, weight, None), runs) for rows in (1, 4)}
+    return paired_best_ms({rows: lambda x=torch.randn(rows, weight.shape[1]): head(x, weight, None) for rows in (1, 4)}, runs)
 
 
 @contextmanager

@@ -185,9 +185,9 @@ def _filter_candidates(probs: Tensor, k: Tensor, p: Tensor, threshold: Tensor) -
     values, order = values.sort(dim=-1, descending=True, stable=True)
     ids, values = ids.gather(-1, order), values.clamp_min(0)
     rank = torch.arange(values.shape[-1])
-    values = values * ((rank < k) | (k <= 0))
-    cumulative = values.cumsum(-1)
     limits_k = _limits_k(k, vocab)
+    values = values * ((rank < k) | ~limits_k)
+    cumulative = values.cumsum(-1)
     # `probs` is spent from here on: its memory takes the tail, then the result.
     tail = probs.masked_fill_(is_candidate, 0.0).sum(-1, keepdim=True) * ~limits_k
     top_p_mass = p * (cumulative[:, -1:] + tail)

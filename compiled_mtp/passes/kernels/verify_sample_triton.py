@@ -75,11 +75,11 @@ class OnlineSoftmax(Rows):
         requests, _, vocab = self.logits.shape
         if not requests:
             return a.new_empty(0)
-        pick = torch.arange(requests, device=a.device), a
+        pick = torch.arange(requests, device=a.device), a  # row a of each request, gathered into fresh contiguous tensors
         tokens = torch.empty(requests, dtype=torch.long, device=a.device)
         _final_draw[(requests,)](
-            self.logits[pick].contiguous(), self.temperature, self.row_max[pick].contiguous(), self.row_sum[pick].contiguous(),
-            q_a().contiguous(), u.float().contiguous(), tokens, vocab, BLOCK=BLOCK,
+            self.logits[pick], self.temperature, self.row_max[pick], self.row_sum[pick], q_a().contiguous(), u.float().contiguous(),
+            tokens, vocab, BLOCK=BLOCK,
         )
         return tokens
 

@@ -75,8 +75,7 @@ def test_inductor_graphs_equal_the_reference(tmp_path, monkeypatch):
     model keeps compile short): greedy output equals the reference, sampled output the eager steps.
     Every linear goes through the packed-weight op, although this model's are below the sizes
     where that pays."""
-    monkeypatch.setattr(packed_linear, "BIG_WEIGHT", 0)
-    monkeypatch.setattr(packed_linear, "MID_WEIGHT", 0)
+    monkeypatch.setattr(packed_linear, "MIN_WEIGHT", 0)
     model = load_model(write_echo_checkpoint(tmp_path, mtp_noise=0.3, attn_scale=0.5, seed=4))
     rt = Runtime(model, mtp_depth=2, batch_sizes=(1, 2), max_seq_len=48, compile_backend="inductor", prefill_chunk=8)
     prompts = _prompts(3, seed=5)

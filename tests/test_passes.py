@@ -132,7 +132,7 @@ def _linear_weights(graph):
 @pytest.fixture
 def pack_every_size(monkeypatch):
     """The tiny model's weights are below the sizes where packing pays: rewrite them anyway."""
-    monkeypatch.setattr(packed_linear_pass, "BIG_WEIGHT", 0)
+    monkeypatch.setattr(packed_linear_pass, "MIN_WEIGHT", 0)
 
 
 def test_packed_linear_leaves_small_weights_to_inductor(model, state):

@@ -109,7 +109,7 @@ class CompiledGraphs:
         self.backend = backend
         self.inductor_options = inductor_options(passes)  # validates the pass names
         if backend == "inductor" and "packed_linear" in self.inductor_options["post_grad_custom_post_pass"].enabled:
-            pack_linears(model, packed_linear.MID_WEIGHT)  # once, before any graph: every graph shares them
+            pack_linears(model, packed_linear.MIN_WEIGHT)  # once, before any graph: every graph shares them
         # Only Inductor produces code worth storing; the other backends build in-process.
         self.cache = GraphCache(cache_dir) if cache_dir is not None and backend == "inductor" else None
         self._graphs: dict[GraphKey, Callable] = {}

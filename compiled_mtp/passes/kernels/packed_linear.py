@@ -1,15 +1,19 @@
-"""`compiled_mtp::linear`: y = x W^T (+ b) through MKL's packed-weight GEMM on CPU.
+"""`compiled_mtp::linear`: y = x W^T (+ b) through oneDNN's packed-weight GEMM on CPU.
 
-Plain `F.linear` turns compute-bound from about 4 rows on this class of CPU; with the weight repacked
-into MKL's blocked layout, 4-16 rows cost little more than one. `pack_linears` repacks every `Linear`
-of a model once; the packed copies are found by the weight's address, so every graph that calls the
-op (compiled in process or loaded from the capture cache) shares them. A packed copy remembers the
-weight's version counter: after an in-place update of the weight (load_state_dict into a live
-model) it is repacked on its next use, never used stale. A weight without a packed copy (MKL absent,
-another dtype or device, never packed) runs `F.linear`.
+Plain `F.linear` (MKL's GEMM on a row-major weight) turns compute-bound from about 4 rows on this class
+of CPU; with the weight reordered into oneDNN's blocked layout, 4-16 rows cost little more than one.
+oneDNN rather than MKL's own packed GEMM (`torch.ops.mkl._mkl_linear`, what Inductor's freezing uses
+for float32): on an AMD EPYC with AVX-512, MKL's packed GEMM took 3.2x as long for 4 rows of the
+129280 x 768 LM head as for 1 and F.linear 2x, oneDNN 1.0x (benchmarks/bench_passes.py).
 
-`torch.ops.mkl._mkl_linear` cannot be called from a graph directly (Inductor has no lowering for it);
-as a custom op with a fake implementation it compiles, caches and runs under AOTInductor.
+`pack_linears` repacks every `Linear` of a model once; the packed copies are found by the weight's
+address, so every graph that calls the op (compiled in process or loaded from the capture cache)
+shares them. A packed copy remembers the weight's version counter: after an in-place update of the
+weight (load_state_dict into a live model) it is repacked on its next use, never used stale. A
+weight without a packed copy (oneDNN absent, another dtype or device, never packed) runs `F.linear`.
+
+The packed copy is an opaque oneDNN tensor, which neither a graph input nor an AOTInductor constant
+can be; as a custom op that looks it up, the call compiles, caches and runs under AOTInductor.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from torch import Tensor, nn
 from ...models.deepseek_v3 import Linear
 
 # Rows the packed layout is tuned for. Measured on a 129280 x 768 weight, 2 cores: packed for 1 row,
-# 4 rows cost 1.9x one; packed for 16 or more, 4 rows cost 1.3x and 16 rows 1.8x, with 1 row unchanged.
+# 4 rows cost 1.6x one; packed for 4 to 64, 1-8 rows cost the same and 16 rows 1.2-1.4x.
 PACK_ROWS = 64
 
 
@@ -40,7 +44,7 @@ _PACKED: dict[int, _Packed] = {}
 
 
 def available() -> bool:
-    return torch.backends.mkl.is_available()
+    return torch.backends.mkldnn.is_available()
 
 
 def packable(weight: Tensor) -> bool:
@@ -62,7 +66,7 @@ def pack_linears(model: nn.Module, min_size: int = 0) -> int:
 
 def _pack(weight: Tensor) -> _Packed:
     with torch.no_grad():
-        return _Packed(weakref.ref(weight), weight._version, torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), PACK_ROWS))
+        return _Packed(weakref.ref(weight), weight._version, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS))
 
 
 def _lookup(weight: Tensor) -> Tensor | None:
@@ -81,7 +85,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     packed = _lookup(weight) if x.dtype == torch.float32 else None
     if packed is None:
         return F.linear(x, weight, bias)
-    return torch.ops.mkl._mkl_linear(x.contiguous(), packed, weight, bias, x.shape[0])
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
 @linear.register_fake

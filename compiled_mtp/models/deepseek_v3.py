@@ -161,16 +161,26 @@ class Experts(nn.Module):
     def forward(self, x: Tensor, idx: Tensor, weights: Tensor) -> Tensor:
         """x [N, H], chosen experts idx [N, k] with weights [N, k] -> [N, H], in fixed shapes.
 
-        Few rows gather their k experts' weights (decode reads only what it uses); many rows run every
-        expert and zero the unselected ones, which is cheaper than gathering k weight copies per row.
+        Gathering each row's k experts reads only the experts in use and does k/E of the work of
+        running every expert on every row. Inductor's CPU lowering turns each one-row product into a
+        multiply-and-sum that reads the expert's weights in place, so nothing is copied; elsewhere
+        the gathered weights are materialized, k copies per row, and only few rows gather. Measured
+        on 2 CPU cores (16 experts, 4 per row, 768 x 256): gathering took 1.6 / 11.5 / 57 ms at
+        4 / 128 / 512 rows, every expert masked 5.1 / 17.5 / 60 ms.
         """
         n, k = idx.shape
         n_experts = self.gate_proj.shape[0]
-        if n * k <= n_experts:
-            gate, up, down = self.gate_proj[idx], self.up_proj[idx], self.down_proj[idx]  # [N, k, ...]
-            act = F.silu(torch.einsum("nh,nkih->nki", x, gate)) * torch.einsum("nh,nkih->nki", x, up)
-            return torch.einsum("nki,nkhi,nk->nh", act, down, weights)
-        dense = torch.zeros(n, n_experts, dtype=weights.dtype, device=x.device).scatter_(1, idx, weights)
+        if n * k <= n_experts or (x.device.type == "cpu" and 4 * k <= n_experts):
+            return self.gathered(x, idx, weights)
+        return self.masked(x, idx, weights)
+
+    def gathered(self, x: Tensor, idx: Tensor, weights: Tensor) -> Tensor:
+        gate, up, down = self.gate_proj[idx], self.up_proj[idx], self.down_proj[idx]  # [N, k, ...]
+        act = F.silu(torch.einsum("nh,nkih->nki", x, gate)) * torch.einsum("nh,nkih->nki", x, up)
+        return torch.einsum("nki,nkhi,nk->nh", act, down, weights)
+
+    def masked(self, x: Tensor, idx: Tensor, weights: Tensor) -> Tensor:
+        dense = torch.zeros(x.shape[0], self.gate_proj.shape[0], dtype=weights.dtype, device=x.device).scatter_(1, idx, weights)
         act = F.silu(torch.einsum("nh,eih->nei", x, self.gate_proj)) * torch.einsum("nh,eih->nei", x, self.up_proj)
         return torch.einsum("nei,ehi,ne->nh", act, self.down_proj, dense)
 

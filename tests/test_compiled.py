@@ -73,8 +73,9 @@ def test_mixed_workload_after_warmup_triggers_no_recompile(noisy_echo):
 def test_inductor_graphs_equal_the_reference(tmp_path, monkeypatch):
     """Real Inductor code with every custom pass, for every kind at K = 2, buckets 1 and 2 (a 1-layer
     model keeps compile short): greedy output equals the reference, sampled output the eager steps.
-    Every linear goes through the packed-weight op, although this model's are below the sizes
-    where that pays."""
+    Linears on up to 4 rows become Inductor's multiply-and-sum (narrow_linear) and every other one
+    goes through the packed-weight op, although this model's weights are below the sizes where that
+    pays."""
     monkeypatch.setattr(packed_linear, "MIN_WEIGHT", 0)
     model = load_model(write_echo_checkpoint(tmp_path, mtp_noise=0.3, attn_scale=0.5, seed=4))
     rt = Runtime(model, mtp_depth=2, batch_sizes=(1, 2), max_seq_len=48, compile_backend="inductor", prefill_chunk=8)

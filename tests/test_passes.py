@@ -180,8 +180,22 @@ def test_lm_head_runs_only_on_rows_that_are_used(model, state, kind, b, k, rows,
     assert head_rows == [rows] * (k - 1 if kind == "draft_decode" else 1)
 
 
+@pytest.mark.parametrize("kind,b,k,share", [("draft_extend", 1, 3, "all"), ("draft_extend", 2, 2, "some"), ("target_verify", 2, 2, "none")])
+def test_narrow_linear_takes_every_linear_on_few_rows(model, state, kind, b, k, share):
+    """Linears on at most 4 rows (all of draft_extend at B=1, K=3: 4 rows through M, 1 through the LM
+    head; at B=2, K=2 only its LM head; none of a 6-row verify) become a multiply-and-sum over the
+    weight in place; the others stay."""
+    before, after = _graphs(kind, b, k, model, state, ("narrow_linear",))
+    rows = [n.args[-2].meta["val"].shape[0] for n in before.graph.nodes if n.target in (aten.mm.default, aten.addmm.default)]
+    few = sum(r <= 4 for r in rows)
+    assert {"all": few == len(rows) > 0, "some": 0 < few < len(rows), "none": few == 0}[share]
+    assert len(_linear_weights(after)) == len(_linear_weights(before)) - few
+    assert _count(after, aten.sum.dim_IntList) - _count(before, aten.sum.dim_IntList) == few
+    _assert_same(before, after, state, model, kind, b, k, exact=False)
+
+
 def test_switches_and_uuids():
-    assert set(ALL) == {"fuse_verify_sampling", "packed_linear", "fold_key_constants"}
+    assert set(ALL) == {"fuse_verify_sampling", "narrow_linear", "packed_linear", "fold_key_constants"}
     uuids = {PassManager(tuple(subset)).uuid() for n in range(len(ALL) + 1) for subset in __import__("itertools").combinations(ALL, n)}
     assert len(uuids) == 2 ** len(ALL)  # every pass set keys its own cache entries
     assert PassManager(ALL).uuid() == PassManager(tuple(reversed(ALL))).uuid()  # run order is the registry's
@@ -196,7 +210,7 @@ def test_command_line_switch(capsys):
     from compiled_mtp.cli import _engine_options, main
 
     args = argparse.Namespace(max_seq_len=None, dtype=None, device=None, backend="inductor", cache_dir=None, disable_pass=["packed_linear"])
-    assert _engine_options(args, None)["passes"] == ("fold_key_constants", "fuse_verify_sampling")
+    assert _engine_options(args, None)["passes"] == ("fold_key_constants", "fuse_verify_sampling", "narrow_linear")
     with pytest.raises(SystemExit):
         main(["generate", "hello", "--disable-pass", "fuse_everything"])
     assert "invalid choice: 'fuse_everything'" in capsys.readouterr().err

@@ -1,10 +1,15 @@
-"""FX graph walks the passes share."""
+"""FX graph walks and rewrites the passes share."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
+import torch
 from torch import fx
+from torch.utils._pytree import tree_map_only
+
+aten = torch.ops.aten
 
 
 def in_graph_order(nodes: Iterable[fx.Node], graph: fx.Graph) -> list[fx.Node]:
@@ -22,3 +27,63 @@ def upstream(nodes: list[fx.Node], stop: Iterable[fx.Node] = ()) -> list[fx.Node
             found.append(n)
             stack.extend(n.all_input_nodes)
     return in_graph_order(found, nodes[0].graph)
+
+
+@dataclass(frozen=True)
+class LinearNode:
+    """A linear as it reaches the post-grad graph: `mm(x, permute(W, [1, 0]))`, or
+    `addmm(added, x, permute(W))` where `added` is a bias or a residual Inductor folded in."""
+
+    node: fx.Node
+    x: fx.Node  # [rows, in]
+    weight: fx.Node  # [out, in], a tensor the graph reads (an input or a constant)
+    added: fx.Node | None
+
+    @property
+    def rows(self) -> int:
+        return self.x.meta["val"].shape[0]
+
+    @property
+    def weight_size(self) -> int:
+        return self.weight.meta["val"].numel()
+
+    def on_cpu_float32(self) -> bool:
+        vals = [n.meta.get("val") for n in (self.x, self.weight)]
+        return all(isinstance(v, torch.Tensor) and v.device.type == "cpu" and v.dtype == torch.float32 for v in vals)
+
+    def replace(self, build: Callable[[fx.Graph], fx.Node], adds: bool) -> None:
+        """Put `build(graph)`'s result in the linear's place; `adds`: whether it already adds `added`."""
+        graph = self.node.graph
+        with graph.inserting_before(self.node):
+            result = build(graph)
+            if self.added is not None and not adds:
+                result = call(graph, aten.add.Tensor, self.added, result)
+        result.meta.update(self.node.meta)
+        self.node.replace_all_uses_with(result)
+        graph.erase_node(self.node)
+
+
+def linears(graph: fx.Graph) -> list[LinearNode]:
+    """Every linear of `graph` on a weight the graph reads, in graph order."""
+    found = []
+    for node in graph.nodes:
+        if node.op != "call_function" or node.kwargs or node.target not in (aten.mm.default, aten.addmm.default):
+            continue
+        added, x, weight_t = (None, *node.args) if node.target is aten.mm.default else node.args
+        if not (isinstance(weight_t, fx.Node) and weight_t.target is aten.permute.default and list(weight_t.args[1]) == [1, 0]):
+            continue
+        weight = weight_t.args[0]
+        if weight.op in ("placeholder", "get_attr"):
+            found.append(LinearNode(node, x, weight, added))
+    return found
+
+
+def call(graph: fx.Graph, target: Callable, *args: object, **kwargs: object) -> fx.Node:
+    """A new call_function node, with its value's metadata computed from its inputs' fake values."""
+    node = graph.call_function(target, args, kwargs)
+    vals = tree_map_only(fx.Node, lambda n: n.meta.get("val"), args)
+    fake = next((v for v in vals if isinstance(v, torch._subclasses.FakeTensor)), None)
+    if fake is not None:
+        with fake.fake_mode:
+            node.meta["val"] = target(*vals, **kwargs)
+    return node

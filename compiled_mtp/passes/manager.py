@@ -15,13 +15,16 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .fold_key_constants import FoldKeyConstants
 from .fuse_verify_sampling import FuseVerifySampling
+from .narrow_linear import NarrowLinear
 from .packed_linear import PackedLinear
 
 # name -> pass instance, in the order they run; each pass lives in its own module of this package.
-# Fusion goes first: the region it looks for is the graph as traced. Folding goes last, so it also
-# folds what the other passes leave key-only.
+# Fusion goes first: the region it looks for is the graph as traced. narrow_linear takes the linears
+# on few rows before packed_linear takes the other large ones. Folding goes last, so it also folds
+# what the other passes leave key-only.
 REGISTRY: dict[str, CustomGraphPass] = {
     "fuse_verify_sampling": FuseVerifySampling(),
+    "narrow_linear": NarrowLinear(),
     "packed_linear": PackedLinear(),
     "fold_key_constants": FoldKeyConstants(),
 }

@@ -16,13 +16,15 @@
    0.8 given the previous one was, i.e. 1 + 0.8 + ... + 0.8^K tokens per step. Also, timed in
    turns: one target_verify at K=3 (4 rows) against one at K=0 (a plain decode step), as routed
    and with every token routed to the same experts (which separates the extra expert weights 4
-   rows read), and the LM head alone at 4 rows against 1 (F.linear off, the packed op on).
+   rows read), the weight bytes each of the two reads as routed (the floor of their ratio), and
+   the LM head alone at 4 rows against 1 (compiled by Inductor without and with the passes).
 Results are printed and written to benchmarks/passes-cpu.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 import tempfile
@@ -40,11 +42,11 @@ sys.path.insert(0, str(ROOT))
 from compiled_mtp import Runtime  # noqa: E402
 from compiled_mtp.bench import _generate  # noqa: E402
 from compiled_mtp.capture.compiler import _own_code  # noqa: E402
+from compiled_mtp.graphs import steps  # noqa: E402
 from compiled_mtp.graphs.sampling import verify_sample  # noqa: E402
 from compiled_mtp.models.checkpoint import load_model  # noqa: E402
-from compiled_mtp.models.deepseek_v3 import Router  # noqa: E402
+from compiled_mtp.models.deepseek_v3 import Experts, Router  # noqa: E402
 from compiled_mtp.models.synthetic import preset_config, write_random_checkpoint  # noqa: E402
-from compiled_mtp.passes.kernels.packed_linear import linear as packed_linear  # noqa: E402
 from compiled_mtp.passes.manager import available, inductor_options  # noqa: E402
 from compiled_mtp.runtime import SamplingParams  # noqa: E402
 
@@ -105,7 +107,7 @@ def bench_e2e(args: argparse.Namespace) -> dict:
     params_m = sum(p.numel() for p in model.parameters()) / 1e6
     prompt = torch.randint(0, VOCAB, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
     sampling = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
-    result = {"parameters_m": params_m, "rows": [], "verify_ms": {}, "lm_head_ms": {}}
+    result = {"parameters_m": params_m, "rows": [], "verify_ms": {}, "verify_weight_mb": {}, "lm_head_ms": {}}
     for name, passes in (("off", ()), ("on", available())):
         verify = {}
         for k in args.depths:
@@ -120,6 +122,7 @@ def bench_e2e(args: argparse.Namespace) -> dict:
             print(f"  passes {name:3s} K={k}: {step_ms:7.1f} ms/step, simulated {1e3 * per_step / step_ms:6.1f} tok/s (compile {compile_s:.0f} s)", flush=True)
             if k in (0, 3):
                 verify[k] = verify_call(rt, k, args)
+                result["verify_weight_mb"][k] = verify_weight_bytes(rt, k, args) / 1e6
         if set(verify) == {0, 3}:
             result["verify_ms"][name] = paired_best_ms(verify, args.runs * 3)
             with same_experts(model):
@@ -127,8 +130,11 @@ def bench_e2e(args: argparse.Namespace) -> dict:
             for label in (name, f"{name}, same experts"):
                 v = result["verify_ms"][label]
                 print(f"  passes {label}: target_verify 4 rows {v[3]:.1f} ms vs 1 row {v[0]:.1f} ms: {v[3] / v[0]:.2f}x", flush=True)
-        h = result["lm_head_ms"][name] = lm_head_ms(model, name == "on", args.runs * 3)
+        h = result["lm_head_ms"][name] = lm_head_ms(model, passes, args.runs * 3)
         print(f"  passes {name}: the LM head alone, 4 rows {h[4]:.1f} ms vs 1 row {h[1]:.1f} ms: {h[4] / h[1]:.2f}x", flush=True)
+    mb = result["verify_weight_mb"]
+    if set(mb) >= {0, 3}:
+        print(f"  weights read as routed: target_verify 4 rows {mb[3]:.0f} MB vs 1 row {mb[0]:.0f} MB: {mb[3] / mb[0]:.2f}x", flush=True)
     return result
 
 
@@ -154,11 +160,41 @@ def paired_best_ms(calls: dict[int, Callable[[], object]], runs: int) -> dict[in
     return {key: 1e3 * min(t) for key, t in times.items()}
 
 
-def lm_head_ms(model: torch.nn.Module, packed: bool, runs: int) -> dict[int, float]:
-    """The LM head alone on 1 and 4 rows: F.linear, or the packed op the packed_linear pass puts in."""
+def verify_weight_bytes(rt: Runtime, k: int, args: argparse.Namespace) -> int:
+    """Weight bytes the target_verify of `verify_call` reads: every target weight once, except that
+    of each layer's routed experts only those its rows are routed to, and of the embedding only the
+    rows' own. The routing is the eager step's on a copy of the state, recorded at each router."""
+    model, routed = rt.model, []
+    hooks = [m.register_forward_hook(lambda _m, _x, out: routed.append(out[0].unique().numel())) for m in model.modules() if isinstance(m, Router)]
+    try:
+        decode_w = max(k - 1, 0)
+        noise = torch.zeros(1, decode_w + k + 1 + (k > 0))[:, decode_w : decode_w + k + 1]
+        steps.target_verify(model, copy.deepcopy(rt.state), torch.tensor([0]), torch.tensor([args.prompt_len]), noise)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    experts = [m for m in model.modules() if isinstance(m, Experts)][: len(routed)]  # the target's, in layer order
+    mtp = {id(p) for layer in model.model.layers[model.cfg.num_hidden_layers :] for p in layer.parameters()}
+    embed = model.model.embed_tokens.weight
+    total = sum(p.nbytes for p in model.parameters() if id(p) not in mtp) - embed.nbytes + (k + 1) * embed[0].nbytes
+    for layer_experts, used in zip(experts, routed):
+        own = sum(p.nbytes for p in layer_experts.parameters())
+        total -= own - own * used // layer_experts.gate_proj.shape[0]
+    return total
+
+
+def lm_head_ms(model: torch.nn.Module, passes: tuple[str, ...], runs: int) -> dict[int, float]:
+    """The LM head alone on 1 and 4 rows, compiled by Inductor with `passes`."""
     weight = model.lm_head.weight
-    head = packed_linear if packed else F.linear
-    return paired_best_ms({rows: lambda x=torch.randn(rows, weight.shape[1]): head(x, weight, None) for rows in (1, 4)}, runs)
+
+    def head(x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, weight)
+
+    calls = {}
+    for rows in (1, 4):
+        compiled = torch.compile(_own_code(head, f"lm_head_{rows}_{len(passes)}"), fullgraph=True, dynamic=False, options=inductor_options(passes))
+        calls[rows] = lambda c=compiled, x=torch.randn(rows, weight.shape[1]): c(x)
+    return paired_best_ms(calls, runs)
 
 
 @contextmanager

@@ -29,25 +29,28 @@ class _Request:
 
     def __init__(self, model: DeepseekV3, capacity: int, mtp: bool) -> None:
         self.model = model
-        self.slot = torch.tensor([0])
+        self.device = model.lm_head.weight.device
+        self.slot = torch.tensor([0], device=self.device)
         self.target_cache = model.new_cache(model.cfg.num_hidden_layers, 1, capacity)
         self.mtp_cache = model.new_cache(model.num_mtp_layers, 1, capacity) if mtp else None
 
     def target(self, tokens: list[int], start: int) -> Tensor:
         pos = self._positions(len(tokens), start)
-        return self.model.forward_target(torch.tensor([tokens]), pos, pos, self.slot, self.target_cache)[0]
+        return self.model.forward_target(self._ids(tokens), pos, pos, self.slot, self.target_cache)[0]
 
     def mtp(self, depth: int, tokens: list[int], hidden: Tensor, start: int) -> Tensor:
         pos = self._positions(len(tokens), start)
         layer = depth % self.model.num_mtp_layers
-        return self.model.forward_mtp(layer, torch.tensor([tokens]), hidden[None], pos, pos, self.slot, self.mtp_cache)[0]
+        return self.model.forward_mtp(layer, self._ids(tokens), hidden[None], pos, pos, self.slot, self.mtp_cache)[0]
 
     def greedy(self, hidden: Tensor) -> Tensor:
         return self.model.logits(hidden).argmax(-1)
 
-    @staticmethod
-    def _positions(n: int, start: int) -> Tensor:
-        return torch.arange(start, start + n)[None]
+    def _ids(self, tokens: list[int]) -> Tensor:
+        return torch.tensor([tokens], device=self.device)
+
+    def _positions(self, n: int, start: int) -> Tensor:
+        return torch.arange(start, start + n, device=self.device)[None]
 
 
 @torch.no_grad()

@@ -156,9 +156,9 @@ class Runtime:
 
         Options: `mtp_depths` (extra depths to allow switching to), `compile_backend` ("inductor",
         "aot_eager" or "eager"), `passes` (names of the custom FX passes to run, of
-        fuse_verify_sampling, packed_linear, fold_key_constants; None = all, () = none),
-        `prefill_chunk`, `seed` (for requests without one). `cache_dir` is a capture cache: graphs are
-        loaded from it, and those it lacks are built once and stored there."""
+        fuse_verify_sampling, narrow_linear, packed_linear, fold_key_constants; None = all, () = none),
+        `prefill_chunk`, `seed` (for requests without one). `cache_dir` is a capture cache (CPU only):
+        graphs are loaded from it, and those it lacks are built once and stored there."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype: must be one of {', '.join(DTYPES)}, got {dtype!r}")
         depths = set(options.get("mtp_depths") or ()) | {mtp_depth}
@@ -266,6 +266,7 @@ class Runtime:
 
     def _prefill(self, req: _Request) -> StepOutput:
         req.slot = self._free.pop()
+        self.graphs.begin_step()
         p = req.params
         self.state.set_sampling(req.slot, p.temperature, p.top_k, p.top_p)
         prompt, c = req.out.prompt_token_ids, self.prefill_chunk
@@ -282,6 +283,7 @@ class Runtime:
 
     def _decode(self, reqs: list[_Request]) -> list[StepOutput]:
         k, b = self._depth, len(reqs)
+        self.graphs.begin_step()
         bucket = next(s for s in self.buckets if s >= b)
         pad = bucket - b
         slots = self._tensor([r.slot for r in reqs] + [self.state.scratch_slot] * pad)

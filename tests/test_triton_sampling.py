@@ -1,5 +1,5 @@
-"""The CUDA kernel of `compiled_mtp::verify_sample` (Triton), run by Triton's interpreter on CPU tensors
-(tests/conftest.py sets TRITON_INTERPRET=1 where there is no GPU)."""
+"""The CUDA kernel of `compiled_mtp::verify_sample` (Triton): on the GPU where there is one, else run by
+Triton's interpreter on CPU tensors (tests/conftest.py sets TRITON_INTERPRET=1 where there is no GPU)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,11 @@ from tests.test_sampling import SETTINGS, verify_cases
 # The kernel sums its softmax in another order than torch: a decision may differ where a uniform is
 # this close to it.
 NUDGE = 1e-5
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _on_device(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(t.to(DEVICE) for t in tensors)
 
 
 def _commits_within_rounding(case: tuple[torch.Tensor, ...], request: int, accepted: torch.Tensor, tokens: torch.Tensor) -> bool:
@@ -30,7 +35,7 @@ def _commits_within_rounding(case: tuple[torch.Tensor, ...], request: int, accep
 
 
 def _assert_same_tokens(case: tuple[torch.Tensor, ...]) -> None:
-    expected, got = verify_sample(*case), kernel.verify_sample_triton(*case)
+    expected, got = verify_sample(*case), tuple(t.cpu() for t in kernel.verify_sample_triton(*_on_device(*case)))
     temperature = case[1]
     for b in range(len(temperature)):
         if expected[0][b] == got[0][b] and torch.equal(expected[1][b], got[1][b]):
@@ -65,10 +70,10 @@ def test_triton_row_stats_are_the_softmax_normalizer():
     gen = torch.Generator().manual_seed(4)
     logits = torch.randn(3, 2, 3000, generator=gen) * 4
     temperature = torch.tensor([1.0, 0.3, 2.5])
-    stats = kernel.OnlineSoftmax.of(logits, temperature)
+    stats = kernel.OnlineSoftmax.of(*_on_device(logits, temperature))
     x = logits / temperature[:, None, None]
-    torch.testing.assert_close(stats.row_max, x.amax(-1))
-    torch.testing.assert_close(stats.row_sum, torch.exp(x - x.amax(-1, keepdim=True)).sum(-1))
+    torch.testing.assert_close(stats.row_max.cpu(), x.amax(-1))
+    torch.testing.assert_close(stats.row_sum.cpu(), torch.exp(x - x.amax(-1, keepdim=True)).sum(-1))
 
 
 def test_triton_kernel_residual_draw_after_rejections():

@@ -104,6 +104,8 @@ class CompiledGraphs:
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"compile_backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        if cache_dir is not None and backend == "inductor" and state.target_cache.is_cuda:
+            raise ValueError(f"cache_dir: {aot.CPU_ONLY}; leave it unset on CUDA, where graphs compile in the process and replay as CUDA graphs")
         self.model = model
         self.state = state
         self.backend = backend
@@ -118,6 +120,12 @@ class CompiledGraphs:
         self.loads = 0
         self.recompiles = 0
         self.seconds = 0.0  # inside graph calls, first (compiling or loading) calls included
+
+    def begin_step(self) -> None:
+        """A runtime step begins (a prefill or a decode step). CUDA-graph replay reuses the memory
+        of earlier replays' outputs from here on; a step reads only its own graphs' outputs."""
+        if self.backend == "inductor" and self.state.target_cache.is_cuda:
+            torch.compiler.cudagraph_mark_step_begin()
 
     def __call__(self, key: GraphKey, *inputs: torch.Tensor):
         graph = self._graphs.get(key)

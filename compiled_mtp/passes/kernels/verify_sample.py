@@ -35,7 +35,9 @@ BUCKETS = 64
 SPARE_BUCKETS = 1
 
 
-@torch.library.custom_op("compiled_mtp::verify_sample", mutates_args=(), device_types="cpu")
+# cudagraph_unsafe: each request takes the path its parameters need, so the op syncs with the host
+# (nonzero) and cannot be captured; Inductor replays the rest of a CUDA graph around it.
+@torch.library.custom_op("compiled_mtp::verify_sample", mutates_args=(), device_types="cpu", tags=(torch.Tag.cudagraph_unsafe,))
 def verify_sample(
     logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, drafts: Tensor, draft_probs: Tensor, noise: Tensor
 ) -> tuple[Tensor, Tensor]:

@@ -102,8 +102,6 @@ def _package(cache: Path, kind: str) -> Path:
 def test_shipped_profiles_load():
     default = load_profile(PROFILES / "default-cpu.toml")
     assert default.device == "cpu" and default.model == ROOT / "compiled_mtp" / "default_model"
-    gpu = load_profile(PROFILES / "deepseek-v3-gpu.toml")
-    assert gpu.device == "cuda" and gpu.dtype == "bfloat16" and gpu.model is None
     tiny = load_profile(PROFILE)
     assert graph_keys(tiny.batch_sizes, tiny.mtp_depths) == [("prefill", 1, 0), ("draft_decode", 1, 2), ("target_verify", 1, 2), ("draft_extend", 1, 2)]
 
@@ -117,6 +115,7 @@ def test_shipped_profiles_load():
         ('dtype = "float32"\nbatch_sizes = []', "batch_sizes"),
         ('dtype = "float32"\nmtp_depths = [true]', "mtp_depths"),
         ('dtype = "float32"\ndevice = "gpu0"', "device"),
+        ('dtype = "float32"\ndevice = "cuda"', "device"),  # the capture cache is CPU-only
         ('dtype = "float32"\nprefill_chunk = 100', "prefill_chunk"),
         ('dtype = "float32"\nbatch_size = [1]', "batch_size"),  # unknown
         ('dtype = "float32"\nmodel = 3', "model"),

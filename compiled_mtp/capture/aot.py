@@ -42,6 +42,9 @@ AOT_OPTIONS = {"aot_inductor.package_constants_in_so": False, "always_keep_tenso
 # Packages whose code ends up in the graphs (with this module, which sets how they are built).
 SOURCES = ("graphs", "models", "passes")
 FOLDED_ENTRY = "compiled_mtp_folded_constants.pt"  # in the package's extra/ folder
+# Loading a package built for CUDA crashed the process (SIGSEGV inside AOTInductor's package loader,
+# on an H100 with torch 2.11); until that is understood, CUDA graphs are not captured.
+CPU_ONLY = "the capture cache holds CPU graphs only (AOTInductor packages built for CUDA crash its loader)"
 
 
 class ArtifactError(RuntimeError):

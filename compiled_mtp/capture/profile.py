@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from .aot import CPU_ONLY
+
 # `model = "default"` names the checkpoint shipped inside the package.
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "default_model"
 # The shipped profiles (beside the package in a source checkout, which `make demo` installs in place).
@@ -114,9 +116,11 @@ def _dtype(raw: dict, fail) -> str:
 def _device(raw: dict, fail) -> str:
     name = raw["device"]
     try:
-        torch.device(name)
+        device = torch.device(name)
     except (TypeError, RuntimeError):
-        raise fail("device", "must be a torch device such as 'cpu' or 'cuda'") from None
+        device = None
+    if device is None or device.type != "cpu":
+        raise fail("device", f"must be 'cpu': {CPU_ONLY}")
     return name
 
 

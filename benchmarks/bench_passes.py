@@ -3,6 +3,7 @@
     python benchmarks/bench_passes.py                          # both parts, the issue's matrix
     python benchmarks/bench_passes.py --part sampling --batch-sizes 1 8 --depths 1 3
     python benchmarks/bench_passes.py --part e2e --depths 0 1 2 3
+    python benchmarks/bench_passes.py --device cuda --dtype bfloat16   # on a GPU (CUDA graphs, Triton)
 
 1. sampling: the sampling half of target_verify alone (`graphs.sampling.verify_sample`, compiled by
    Inductor) at DeepSeek-V3's vocabulary of 129280, for B x K, with every request greedy, at
@@ -18,7 +19,7 @@
    and with every token routed to the same experts (which separates the extra expert weights 4
    rows read), the weight bytes each of the two reads as routed (the floor of their ratio), and
    the LM head alone at 4 rows against 1 (compiled by Inductor without and with the passes).
-Results are printed and written to benchmarks/passes-cpu.json.
+Results are printed and written to benchmarks/passes-<device>.json.
 """
 
 from __future__ import annotations
@@ -48,32 +49,37 @@ from compiled_mtp.models.checkpoint import load_model  # noqa: E402
 from compiled_mtp.models.deepseek_v3 import Experts, Router  # noqa: E402
 from compiled_mtp.models.synthetic import preset_config, write_random_checkpoint  # noqa: E402
 from compiled_mtp.passes.manager import available, inductor_options  # noqa: E402
-from compiled_mtp.runtime import SamplingParams  # noqa: E402
+from compiled_mtp.runtime import DTYPES, SamplingParams  # noqa: E402
 
 VOCAB = 129280
 SETTINGS = {"greedy": (0.0, 1.0), "T=1": (1.0, 1.0), "T=1 top-p 0.9": (1.0, 0.9)}
 SIMULATED_RATE = 0.8
 
 
+def seconds(fn: Callable[[], object]) -> float:
+    """Wall time of one call, GPU work included."""
+    start = time.perf_counter()
+    fn()
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
 def best_ms(fn, runs: int) -> float:
     fn()
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * min(times)
+    return 1e3 * min(seconds(fn) for _ in range(runs))
 
 
-def sampling_inputs(b: int, k: int, temperature: float, top_p: float) -> tuple[torch.Tensor, ...]:
+def sampling_inputs(b: int, k: int, temperature: float, top_p: float, device: str) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(b * 10 + k)
     logits = 3 * torch.randn(b, k + 1, VOCAB, generator=gen)
     q = torch.softmax(3 * torch.randn(b, k, VOCAB, generator=gen), dim=-1)
     drafts = torch.where(torch.rand(b, k, generator=gen) < 0.7, logits[:, :k].argmax(-1), torch.randint(0, VOCAB, (b, k), generator=gen))
-    return (
+    inputs = (
         logits, torch.full((b,), temperature), torch.zeros(b, dtype=torch.long), torch.full((b,), top_p),
         drafts, q, torch.rand(b, k + 1, generator=gen),
     )
+    return tuple(t.to(device) for t in inputs)
 
 
 def _sample(*inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,7 +97,7 @@ def bench_sampling(args: argparse.Namespace) -> list[dict]:
                 for name, passes in (("off", ()), ("on", ("fuse_verify_sampling",)))
             }
             for setting, (temperature, top_p) in SETTINGS.items():
-                inputs = sampling_inputs(b, k, temperature, top_p)
+                inputs = sampling_inputs(b, k, temperature, top_p, args.device)
                 (acc_off, tok_off), (acc_on, tok_on) = (graphs[name](*inputs) for name in ("off", "on"))
                 differ = int(((acc_off != acc_on) | (tok_off != tok_on).any(-1)).sum())
                 ms = {name: best_ms(lambda g=graph: g(*inputs), args.runs) for name, graph in graphs.items()}
@@ -103,7 +109,7 @@ def bench_sampling(args: argparse.Namespace) -> list[dict]:
 def bench_e2e(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         print("writing the random 250m checkpoint ...", flush=True)
-        model = load_model(write_random_checkpoint(Path(tmp) / "250m", preset_config("250m")))
+        model = load_model(write_random_checkpoint(Path(tmp) / "250m", preset_config("250m")), dtype=DTYPES[args.dtype], device=args.device)
     params_m = sum(p.numel() for p in model.parameters()) / 1e6
     prompt = torch.randint(0, VOCAB, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
     sampling = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
@@ -142,8 +148,8 @@ def verify_call(rt: Runtime, k: int, args: argparse.Namespace) -> Callable[[], o
     """One target_verify call at depth k, with the step's uniforms as Runtime._decode lays them out
     (K - 1 draft, K + 1 verify, 1 extend)."""
     decode_w = max(k - 1, 0)
-    noise = torch.zeros(1, decode_w + k + 1 + (k > 0))[:, decode_w : decode_w + k + 1]
-    slots, lens = torch.tensor([0]), torch.tensor([args.prompt_len])
+    noise = torch.zeros(1, decode_w + k + 1 + (k > 0), device=args.device)[:, decode_w : decode_w + k + 1]
+    slots, lens = torch.tensor([0], device=args.device), torch.tensor([args.prompt_len], device=args.device)
     return lambda: rt.graphs(("target_verify", 1, k), slots, lens, noise)
 
 
@@ -154,9 +160,7 @@ def paired_best_ms(calls: dict[int, Callable[[], object]], runs: int) -> dict[in
     times: dict[int, list[float]] = {key: [] for key in calls}
     for _ in range(runs):
         for key, call in calls.items():
-            start = time.perf_counter()
-            call()
-            times[key].append(time.perf_counter() - start)
+            times[key].append(seconds(call))
     return {key: 1e3 * min(t) for key, t in times.items()}
 
 
@@ -168,8 +172,9 @@ def verify_weight_bytes(rt: Runtime, k: int, args: argparse.Namespace) -> int:
     hooks = [m.register_forward_hook(lambda _m, _x, out: routed.append(out[0].unique().numel())) for m in model.modules() if isinstance(m, Router)]
     try:
         decode_w = max(k - 1, 0)
-        noise = torch.zeros(1, decode_w + k + 1 + (k > 0))[:, decode_w : decode_w + k + 1]
-        steps.target_verify(model, copy.deepcopy(rt.state), torch.tensor([0]), torch.tensor([args.prompt_len]), noise)
+        noise = torch.zeros(1, decode_w + k + 1 + (k > 0), device=args.device)[:, decode_w : decode_w + k + 1]
+        slots, lens = torch.tensor([0], device=args.device), torch.tensor([args.prompt_len], device=args.device)
+        steps.target_verify(model, copy.deepcopy(rt.state), slots, lens, noise)
     finally:
         for hook in hooks:
             hook.remove()
@@ -193,7 +198,7 @@ def lm_head_ms(model: torch.nn.Module, passes: tuple[str, ...], runs: int) -> di
     calls = {}
     for rows in (1, 4):
         compiled = torch.compile(_own_code(head, f"lm_head_{rows}_{len(passes)}"), fullgraph=True, dynamic=False, options=inductor_options(passes))
-        calls[rows] = lambda c=compiled, x=torch.randn(rows, weight.shape[1]): c(x)
+        calls[rows] = lambda c=compiled, x=torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device): c(x)
     return paired_best_ms(calls, runs)
 
 
@@ -225,10 +230,14 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "passes-cpu.json")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="the e2e model's")
+    parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/passes-<device>.json")
     args = parser.parse_args()
+    args.out = args.out or ROOT / "benchmarks" / f"passes-{args.device}.json"
     torch.manual_seed(0)
-    result = {"torch": torch.__version__, "threads": torch.get_num_threads()}
+    device = torch.cuda.get_device_name() if args.device == "cuda" else f"cpu, {torch.get_num_threads()} threads"
+    result = {"torch": torch.__version__, "device": device, "dtype": args.dtype}
     if args.part in ("sampling", "both"):
         print(f"verify sampling at vocab {VOCAB} (best of {args.runs}):", flush=True)
         result["sampling"] = bench_sampling(argparse.Namespace(**{**vars(args), "depths": args.depths or [1, 2, 3]}))

@@ -168,11 +168,14 @@ class Experts(nn.Module):
         on 2 CPU cores (16 experts, 4 per row, 768 x 256): gathering took 1.6 / 11.5 / 57 ms at
         4 / 128 / 512 rows, every expert masked 5.1 / 17.5 / 60 ms.
         """
-        n, k = idx.shape
-        n_experts = self.gate_proj.shape[0]
-        if n * k <= n_experts or (x.device.type == "cpu" and 4 * k <= n_experts):
+        if self.gathers(*idx.shape, x.device):
             return self.gathered(x, idx, weights)
         return self.masked(x, idx, weights)
+
+    def gathers(self, n: int, k: int, device: torch.device) -> bool:
+        """Whether `n` rows routed to `k` experts each gather their experts (else run all, masked)."""
+        n_experts = self.gate_proj.shape[0]
+        return n * k <= n_experts or (device.type == "cpu" and 4 * k <= n_experts)
 
     def gathered(self, x: Tensor, idx: Tensor, weights: Tensor) -> Tensor:
         gate, up, down = self.gate_proj[idx], self.up_proj[idx], self.down_proj[idx]  # [N, k, ...]

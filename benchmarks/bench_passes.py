@@ -128,7 +128,7 @@ def bench_e2e(args: argparse.Namespace) -> dict:
             print(f"  passes {name:3s} K={k}: {step_ms:7.1f} ms/step, simulated {1e3 * per_step / step_ms:6.1f} tok/s (compile {compile_s:.0f} s)", flush=True)
             if k in (0, 3):
                 verify[k] = verify_call(rt, k, args)
-                result["verify_weight_mb"][k] = verify_weight_bytes(rt, k, args) / 1e6
+                result["verify_weight_mb"][k] = {how: n / 1e6 for how, n in verify_weight_bytes(rt, k, args).items()}
         if set(verify) == {0, 3}:
             result["verify_ms"][name] = paired_best_ms(verify, args.runs * 3)
             with same_experts(model):
@@ -138,9 +138,10 @@ def bench_e2e(args: argparse.Namespace) -> dict:
                 print(f"  passes {label}: target_verify 4 rows {v[3]:.1f} ms vs 1 row {v[0]:.1f} ms: {v[3] / v[0]:.2f}x", flush=True)
         h = result["lm_head_ms"][name] = lm_head_ms(model, passes, args.runs * 3)
         print(f"  passes {name}: the LM head alone, 4 rows {h[4]:.1f} ms vs 1 row {h[1]:.1f} ms: {h[4] / h[1]:.2f}x", flush=True)
-    mb = result["verify_weight_mb"]
-    if set(mb) >= {0, 3}:
-        print(f"  weights read as routed: target_verify 4 rows {mb[3]:.0f} MB vs 1 row {mb[0]:.0f} MB: {mb[3] / mb[0]:.2f}x", flush=True)
+    mb, ms = result["verify_weight_mb"], result["verify_ms"].get("on", {})
+    for how in ("routed", "as run") if set(mb) >= {0, 3} else ():
+        speed = f" (with passes: {mb[3][how] / ms[3]:.0f} / {mb[0][how] / ms[0]:.0f} GB/s)" if set(ms) >= {0, 3} else ""
+        print(f"  weights read {how}: target_verify 4 rows {mb[3][how]:.0f} MB vs 1 row {mb[0][how]:.0f} MB: {mb[3][how] / mb[0][how]:.2f}x{speed}", flush=True)
     return result
 
 
@@ -164,12 +165,14 @@ def paired_best_ms(calls: dict[int, Callable[[], object]], runs: int) -> dict[in
     return {key: 1e3 * min(t) for key, t in times.items()}
 
 
-def verify_weight_bytes(rt: Runtime, k: int, args: argparse.Namespace) -> int:
+def verify_weight_bytes(rt: Runtime, k: int, args: argparse.Namespace) -> dict[str, int]:
     """Weight bytes the target_verify of `verify_call` reads: every target weight once, except that
-    of each layer's routed experts only those its rows are routed to, and of the embedding only the
-    rows' own. The routing is the eager step's on a copy of the state, recorded at each router."""
+    of each layer's routed experts only those its rows are routed to ("routed"), or, as the graph
+    runs them, those of each row's experts once per row when rows gather their experts ("as run";
+    a repeated read may come from the CPU's cache), and of the embedding only the rows' own. The
+    routing is the eager step's on a copy of the state, recorded at each router."""
     model, routed = rt.model, []
-    hooks = [m.register_forward_hook(lambda _m, _x, out: routed.append(out[0].unique().numel())) for m in model.modules() if isinstance(m, Router)]
+    hooks = [m.register_forward_hook(lambda _m, _x, out: routed.append(out[0])) for m in model.modules() if isinstance(m, Router)]
     try:
         decode_w = max(k - 1, 0)
         noise = torch.zeros(1, decode_w + k + 1 + (k > 0), device=args.device)[:, decode_w : decode_w + k + 1]
@@ -181,11 +184,15 @@ def verify_weight_bytes(rt: Runtime, k: int, args: argparse.Namespace) -> int:
     experts = [m for m in model.modules() if isinstance(m, Experts)][: len(routed)]  # the target's, in layer order
     mtp = {id(p) for layer in model.model.layers[model.cfg.num_hidden_layers :] for p in layer.parameters()}
     embed = model.model.embed_tokens.weight
-    total = sum(p.nbytes for p in model.parameters() if id(p) not in mtp) - embed.nbytes + (k + 1) * embed[0].nbytes
-    for layer_experts, used in zip(experts, routed):
-        own = sum(p.nbytes for p in layer_experts.parameters())
-        total -= own - own * used // layer_experts.gate_proj.shape[0]
-    return total
+    dense = sum(p.nbytes for p in model.parameters() if id(p) not in mtp) - embed.nbytes + (k + 1) * embed[0].nbytes
+    dense -= sum(p.nbytes for layer_experts in experts for p in layer_experts.parameters())
+    read = {"routed": dense, "as run": dense}
+    for layer_experts, idx in zip(experts, routed):
+        n_experts = layer_experts.gate_proj.shape[0]
+        each = sum(p.nbytes for p in layer_experts.parameters()) // n_experts
+        read["routed"] += each * idx.unique().numel()
+        read["as run"] += each * (idx.numel() if layer_experts.gathers(*idx.shape, idx.device) else n_experts)
+    return read
 
 
 def lm_head_ms(model: torch.nn.Module, passes: tuple[str, ...], runs: int) -> dict[int, float]:

@@ -104,7 +104,8 @@ class CompiledGraphs:
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"compile_backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
-        if cache_dir is not None and backend == "inductor" and state.target_cache.is_cuda:
+        self.cuda_graphs = backend == "inductor" and state.target_cache.is_cuda  # Inductor replays them
+        if cache_dir is not None and self.cuda_graphs:
             raise ValueError(f"cache_dir: {aot.CPU_ONLY}; leave it unset on CUDA, where graphs compile in the process and replay as CUDA graphs")
         self.model = model
         self.state = state
@@ -124,7 +125,7 @@ class CompiledGraphs:
     def begin_step(self) -> None:
         """A runtime step begins (a prefill or a decode step). CUDA-graph replay reuses the memory
         of earlier replays' outputs from here on; a step reads only its own graphs' outputs."""
-        if self.backend == "inductor" and self.state.target_cache.is_cuda:
+        if self.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
 
     def __call__(self, key: GraphKey, *inputs: torch.Tensor):
@@ -159,9 +160,7 @@ class CompiledGraphs:
         if self.backend != "inductor":
             compiled = torch.compile(fn, backend=self.backend, fullgraph=True, dynamic=False)
         else:
-            options = dict(self.inductor_options)
-            if self.state.target_cache.is_cuda:
-                options["triton.cudagraphs"] = True  # replay as CUDA graphs
+            options = {**self.inductor_options, "triton.cudagraphs": self.cuda_graphs}
             compiled = torch.compile(fn, fullgraph=True, dynamic=False, options=options)
         return functools.partial(compiled, self.model, self.state)
 

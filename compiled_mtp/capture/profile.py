@@ -114,14 +114,9 @@ def _dtype(raw: dict, fail) -> str:
 
 
 def _device(raw: dict, fail) -> str:
-    name = raw["device"]
-    try:
-        device = torch.device(name)
-    except (TypeError, RuntimeError):
-        device = None
-    if device is None or device.type != "cpu":
+    if raw["device"] != "cpu":
         raise fail("device", f"must be 'cpu': {CPU_ONLY}")
-    return name
+    return "cpu"
 
 
 def _model(raw: dict, path: Path, fail) -> Path | None:

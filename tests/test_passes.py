@@ -184,13 +184,17 @@ def test_lm_head_runs_only_on_rows_that_are_used(model, state, kind, b, k, rows,
 def test_narrow_linear_takes_every_linear_on_few_rows(model, state, kind, b, k, share):
     """Linears on at most 4 rows (all of draft_extend at B=1, K=3: 4 rows through M, 1 through the LM
     head; at B=2, K=2 only its LM head; none of a 6-row verify) become a multiply-and-sum over the
-    weight in place; the others stay."""
+    weight in place, and so do batched products of at most 4 rows (the attention's per-head
+    products); the others stay."""
     before, after = _graphs(kind, b, k, model, state, ("narrow_linear",))
     rows = [n.args[-2].meta["val"].shape[0] for n in before.graph.nodes if n.target in (aten.mm.default, aten.addmm.default)]
     few = sum(r <= 4 for r in rows)
     assert {"all": few == len(rows) > 0, "some": 0 < few < len(rows), "none": few == 0}[share]
     assert len(_linear_weights(after)) == len(_linear_weights(before)) - few
-    assert _count(after, aten.sum.dim_IntList) - _count(before, aten.sum.dim_IntList) == few
+    bmm_rows = [n.args[0].meta["val"].shape[1] for n in before.graph.nodes if n.target is aten.bmm.default]
+    few_bmm = sum(r <= 4 for r in bmm_rows)
+    assert bmm_rows and _count(after, aten.bmm.default) == len(bmm_rows) - few_bmm
+    assert _count(after, aten.sum.dim_IntList) - _count(before, aten.sum.dim_IntList) == few + few_bmm
     _assert_same(before, after, state, model, kind, b, k, exact=False)
 
 

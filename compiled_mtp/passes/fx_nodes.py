@@ -48,19 +48,31 @@ class LinearNode:
         return self.weight.meta["val"].numel()
 
     def on_cpu_float32(self) -> bool:
-        vals = [n.meta.get("val") for n in (self.x, self.weight)]
-        return all(isinstance(v, torch.Tensor) and v.device.type == "cpu" and v.dtype == torch.float32 for v in vals)
+        return on_cpu_float32(self.x, self.weight)
 
     def replace(self, build: Callable[[fx.Graph], fx.Node], adds: bool) -> None:
         """Put `build(graph)`'s result in the linear's place; `adds`: whether it already adds `added`."""
-        graph = self.node.graph
-        with graph.inserting_before(self.node):
+
+        def build_all(graph: fx.Graph) -> fx.Node:
             result = build(graph)
-            if self.added is not None and not adds:
-                result = call(graph, aten.add.Tensor, self.added, result)
-        result.meta.update(self.node.meta)
-        self.node.replace_all_uses_with(result)
-        graph.erase_node(self.node)
+            return result if self.added is None or adds else call(graph, aten.add.Tensor, self.added, result)
+
+        replace(self.node, build_all)
+
+
+def on_cpu_float32(*nodes: fx.Node) -> bool:
+    vals = [n.meta.get("val") for n in nodes]
+    return all(isinstance(v, torch.Tensor) and v.device.type == "cpu" and v.dtype == torch.float32 for v in vals)
+
+
+def replace(node: fx.Node, build: Callable[[fx.Graph], fx.Node]) -> None:
+    """Put `build(graph)`'s result, built just before `node`, in its place."""
+    graph = node.graph
+    with graph.inserting_before(node):
+        result = build(graph)
+    result.meta.update(node.meta)
+    node.replace_all_uses_with(result)
+    graph.erase_node(node)
 
 
 def linears(graph: fx.Graph) -> list[LinearNode]:

@@ -12,13 +12,15 @@ from compiled_mtp.capture.compiler import example_inputs
 from compiled_mtp.graphs.state import StaticState
 from compiled_mtp.models.checkpoint import load_model
 from compiled_mtp.models.deepseek_v3 import Linear
-from compiled_mtp.passes.kernels import packed_linear
+from compiled_mtp.passes.kernels import few_row_linear, packed_linear
 from compiled_mtp.passes.fold_key_constants import PREFIX, key_only
 from compiled_mtp.passes.fuse_verify_sampling import FUSED
 from compiled_mtp.capture.post_grad import post_grad_graphs
 from compiled_mtp.passes.manager import PassManager, available, inductor_options
-from compiled_mtp.passes import packed_linear as packed_linear_pass
+from compiled_mtp.passes import narrow_linear, packed_linear as packed_linear_pass
 from compiled_mtp.passes.packed_linear import LINEAR
+
+FEW_ROWS = torch.ops.compiled_mtp.few_row_linear.default
 
 aten = torch.ops.aten
 ALL = available()
@@ -196,6 +198,51 @@ def test_narrow_linear_takes_every_linear_on_few_rows(model, state, kind, b, k, 
     assert bmm_rows and _count(after, aten.bmm.default) == len(bmm_rows) - few_bmm
     assert _count(after, aten.sum.dim_IntList) - _count(before, aten.sum.dim_IntList) == few + few_bmm
     _assert_same(before, after, state, model, kind, b, k, exact=False)
+
+
+@pytest.mark.parametrize("kind,b,k", [("draft_extend", 1, 3), ("target_verify", 1, 3), ("target_verify", 1, 1)])
+def test_narrow_linear_sends_large_weights_on_2_to_4_rows_to_the_kernel(model, state, kind, b, k, monkeypatch):
+    """With every weight counted large, linears of 2-4 rows become compiled_mtp::few_row_linear and
+    those of 1 row (draft_extend's LM head) Inductor's multiply-and-sum."""
+    monkeypatch.setattr(narrow_linear, "KERNEL_WEIGHT", 0)
+    before, after = _graphs(kind, b, k, model, state, ("narrow_linear",))
+    rows = [n.args[-2].meta["val"].shape[0] for n in before.graph.nodes if n.target in (aten.mm.default, aten.addmm.default)]
+    assert _count(after, FEW_ROWS) == sum(2 <= r <= 4 for r in rows) > 0
+    assert _linear_weights(after) == []
+    _assert_same(before, after, state, model, kind, b, k, exact=False)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("out_features,in_features", [(1, 40), (5, 17), (4099, 768), (7, 3)])
+def test_few_row_linear_matches_f_linear(rows, out_features, in_features):
+    """Every row count the kernel has a loop for, with and without a partial last block of weight rows
+    and a tail shorter than a vector."""
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features + in_features)
+    x, weight = torch.randn(rows, in_features, generator=gen), torch.randn(out_features, in_features, generator=gen)
+    expected = torch.nn.functional.linear(x.double(), weight.double()).float()
+    torch.testing.assert_close(few_row_linear.few_row_linear(x, weight), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_few_row_linear_falls_back_to_f_linear(monkeypatch):
+    """Calls the kernel does not take, and a kernel that does not build, run F.linear: the same values."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(48, 40, generator=gen)
+    for x, w in [(torch.randn(5, 40, generator=gen), weight), (torch.randn(2, 40, generator=gen), weight.t().contiguous().t()),
+                 (torch.randn(2, 40, generator=gen).bfloat16(), weight.bfloat16())]:
+        assert not few_row_linear.supports(x, w)
+        assert torch.equal(few_row_linear.few_row_linear(x, w), torch.nn.functional.linear(x, w))
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("g++: not found")
+
+    monkeypatch.setattr("torch._inductor.codecache.CppPythonBindingsCodeCache.load_pybinding", no_compiler)
+    few_row_linear._kernel.cache_clear()
+    try:
+        x = torch.randn(3, 40, generator=gen)
+        with pytest.warns(UserWarning, match=r"^few_row_linear: the C\+\+ kernel did not build \(g\+\+: not found\); using F.linear$"):
+            assert torch.equal(few_row_linear.few_row_linear(x, weight), torch.nn.functional.linear(x, weight))
+    finally:
+        few_row_linear._kernel.cache_clear()
 
 
 def test_switches_and_uuids():

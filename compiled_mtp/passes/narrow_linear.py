@@ -15,6 +15,13 @@ Batched products (bmm) of at most NARROW_ROWS rows get the same rewrite: MLA's a
 multiplies each head's rows by that head's slice of kv_b_proj, and at 4 rows Inductor leaves that to
 MKL's bmm, which took 0.48-0.93 ms for the 8 layers of the 250m preset against 0.41-0.47 ms as a
 multiply-and-sum (a 4-row verify of the 250m preset, timed in turns: 0.2-0.9 ms faster).
+
+Linears of 2-4 rows on weights of KERNEL_WEIGHT elements or more (the LM head) go to
+`compiled_mtp::few_row_linear` instead (kernels/few_row_linear.py), which does the arithmetic about
+twice as fast as Inductor's loop. On the 250m preset a 4-row verify took 23.0-23.9 ms with it against
+27.1-27.8 without, when this machine's memory was fast (a 1-row verify then takes 15 ms), and the same
+27-29 ms either way when it was slow (20 ms). At 1 row the kernel made the verify 1.2-2.5 ms slower
+(a separate call where Inductor's code fuses the LM head with the final norm), so 1 row stays here.
 """
 
 from __future__ import annotations
@@ -25,16 +32,21 @@ from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from .fx_nodes import LinearNode, call, linears, on_cpu_float32, replace
+from .kernels import few_row_linear as op_module
 
 aten = torch.ops.aten
-NARROW_ROWS = 4
+NARROW_ROWS = op_module.MAX_ROWS
+# Weights of this many elements or more go to the hand-written kernel; smaller ones, whose read
+# costs less than the op's call, stay in Inductor's code, fused with their neighbours.
+KERNEL_WEIGHT = 1 << 22
+KERNEL_ROWS = 2
 
 
 class NarrowLinear(CustomGraphPass):
     def __call__(self, graph: fx.Graph) -> None:
         for lin in linears(graph):
             if lin.on_cpu_float32() and lin.rows <= NARROW_ROWS:
-                lin.replace(lambda g, lin=lin: _multiply_and_sum(g, lin), adds=False)
+                lin.replace(lambda g, lin=lin: _narrow(g, lin), adds=False)
         for bmm in graph.find_nodes(op="call_function", target=aten.bmm.default):
             a, b = bmm.args
             if on_cpu_float32(a, b) and a.meta["val"].shape[1] <= NARROW_ROWS:
@@ -42,7 +54,13 @@ class NarrowLinear(CustomGraphPass):
         graph.eliminate_dead_code()
 
     def uuid(self) -> str:
-        return get_hash_for_files((__file__,), str(NARROW_ROWS)).hex()
+        return get_hash_for_files((__file__, op_module.__file__), f"{NARROW_ROWS}/{KERNEL_WEIGHT}/{KERNEL_ROWS}").hex()
+
+
+def _narrow(graph: fx.Graph, lin: LinearNode) -> fx.Node:
+    if lin.weight_size >= KERNEL_WEIGHT and lin.rows >= KERNEL_ROWS:
+        return call(graph, torch.ops.compiled_mtp.few_row_linear.default, lin.x, lin.weight)
+    return _multiply_and_sum(graph, lin)
 
 
 def _multiply_and_sum(graph: fx.Graph, lin: LinearNode) -> fx.Node:

@@ -236,13 +236,26 @@ def test_few_row_linear_falls_back_to_f_linear(monkeypatch):
         raise RuntimeError("g++: not found")
 
     monkeypatch.setattr("torch._inductor.codecache.CppPythonBindingsCodeCache.load_pybinding", no_compiler)
-    few_row_linear._kernel.cache_clear()
+    few_row_linear.build.cache_clear()
     try:
         x = torch.randn(3, 40, generator=gen)
         with pytest.warns(UserWarning, match=r"^few_row_linear: the C\+\+ kernel did not build \(g\+\+: not found\); using F.linear$"):
             assert torch.equal(few_row_linear.few_row_linear(x, weight), torch.nn.functional.linear(x, weight))
     finally:
-        few_row_linear._kernel.cache_clear()
+        few_row_linear.build.cache_clear()
+
+
+def test_graphs_build_the_kernel_before_any_step_when_a_linear_needs_it(model, state, monkeypatch):
+    """Not on the first step served: its compiler run would stall it."""
+    from compiled_mtp.capture.compiler import CompiledGraphs
+
+    few_row_linear.build.cache_clear()
+    CompiledGraphs(model, state, "inductor")  # the tiny model's weights are all below KERNEL_WEIGHT
+    CompiledGraphs(model, state, "inductor", passes=("packed_linear",))
+    assert few_row_linear.build.cache_info().misses == 0
+    monkeypatch.setattr(narrow_linear, "KERNEL_WEIGHT", 0)
+    CompiledGraphs(model, state, "inductor")
+    assert few_row_linear.build.cache_info().misses == 1 and few_row_linear.build() is not None
 
 
 def test_switches_and_uuids():

@@ -25,7 +25,7 @@ import torch
 from ..graphs import steps
 from ..graphs.state import StaticState
 from ..models.deepseek_v3 import DeepseekV3
-from ..passes import packed_linear
+from ..passes import narrow_linear, packed_linear
 from ..passes.kernels.packed_linear import pack_linears
 from ..passes.manager import inductor_options
 from . import aot
@@ -111,8 +111,11 @@ class CompiledGraphs:
         self.state = state
         self.backend = backend
         self.inductor_options = inductor_options(passes)  # validates the pass names
-        if backend == "inductor" and "packed_linear" in self.inductor_options["post_grad_custom_post_pass"].enabled:
+        enabled = self.inductor_options["post_grad_custom_post_pass"].enabled if backend == "inductor" else ()
+        if "packed_linear" in enabled:
             pack_linears(model, packed_linear.MIN_WEIGHT)  # once, before any graph: every graph shares them
+        if "narrow_linear" in enabled:
+            narrow_linear.prepare(model)
         # Only Inductor produces code worth storing; the other backends build in-process.
         self.cache = GraphCache(cache_dir) if cache_dir is not None and backend == "inductor" else None
         self._graphs: dict[GraphKey, Callable] = {}

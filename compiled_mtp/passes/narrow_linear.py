@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import torch
 import torch._inductor.inductor_prims  # noqa: F401  (registers prims.inductor_force_stride_order)
-from torch import fx
+from torch import fx, nn
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
+from ..models.deepseek_v3 import Linear
 from .fx_nodes import LinearNode, call, linears, on_cpu_float32, replace
 from .kernels import few_row_linear as op_module
 
@@ -55,6 +56,13 @@ class NarrowLinear(CustomGraphPass):
 
     def uuid(self) -> str:
         return get_hash_for_files((__file__, op_module.__file__), f"{NARROW_ROWS}/{KERNEL_WEIGHT}/{KERNEL_ROWS}").hex()
+
+
+def prepare(model: nn.Module) -> None:
+    """Build the few-row kernel now if some linear of `model` goes to it, so that the first step
+    served (from the capture cache, say) does not wait for the compiler."""
+    if any(isinstance(m, Linear) and m.weight.device.type == "cpu" and m.weight.numel() >= KERNEL_WEIGHT for m in model.modules()):
+        op_module.build()
 
 
 def _narrow(graph: fx.Graph, lin: LinearNode) -> fx.Node:

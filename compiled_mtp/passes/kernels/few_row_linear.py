@@ -74,7 +74,9 @@ extern "C" void kernel(const float* x, const float* w, float* out, int64_t rows,
 
 
 @functools.cache
-def _kernel() -> Callable[..., None] | None:
+def build() -> Callable[..., None] | None:
+    """The compiled kernel (built on the first call in a process, from Inductor's disk cache after the
+    first anywhere), or None where it does not build."""
     from torch._inductor.codecache import CppPythonBindingsCodeCache
 
     try:
@@ -96,7 +98,7 @@ def supports(x: Tensor, weight: Tensor) -> bool:
 @torch.library.custom_op("compiled_mtp::few_row_linear", mutates_args=())
 def few_row_linear(x: Tensor, weight: Tensor) -> Tensor:
     """x [rows, in] -> x W^T [rows, out]."""
-    kernel = _kernel() if supports(x, weight) else None
+    kernel = build() if supports(x, weight) else None
     if kernel is None:
         return F.linear(x, weight)
     x = x.contiguous()

@@ -61,7 +61,8 @@ class NarrowLinear(CustomGraphPass):
 def prepare(model: nn.Module) -> None:
     """Build the few-row kernel now if some linear of `model` goes to it, so that the first step
     served (from the capture cache, say) does not wait for the compiler."""
-    if any(isinstance(m, Linear) and m.weight.device.type == "cpu" and m.weight.numel() >= KERNEL_WEIGHT for m in model.modules()):
+    weights = [m.weight for m in model.modules() if isinstance(m, Linear)]
+    if any(w.device.type == "cpu" and w.dtype == torch.float32 and w.numel() >= KERNEL_WEIGHT for w in weights):
         op_module.build()
 
 

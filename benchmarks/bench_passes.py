@@ -17,8 +17,9 @@
    0.8 given the previous one was, i.e. 1 + 0.8 + ... + 0.8^K tokens per step. Also, timed in
    turns: one target_verify at K=3 (4 rows) against one at K=0 (a plain decode step), as routed
    and with every token routed to the same experts (which separates the extra expert weights 4
-   rows read), the weight bytes each of the two reads, as routed (the floor of their ratio) and as
-   the graphs run the experts (each row's own, once per row), and
+   rows read), the weight bytes each of the two reads, as routed (each layer's chosen experts once:
+   the floor of their ratio, and what the group_experts pass reads) and as gathered (each row's
+   experts once per row: the model's own products, without that pass), and
    the LM head alone at 4 rows against 1 (compiled by Inductor without and with the passes).
 Results are printed and written to benchmarks/passes-<device>.json.
 """
@@ -141,7 +142,7 @@ def bench_e2e(args: argparse.Namespace) -> dict:
         h = result["lm_head_ms"][name] = lm_head_ms(model, passes, args.runs * 3)
         print(f"  passes {name}: the LM head alone, 4 rows {h[4]:.1f} ms vs 1 row {h[1]:.1f} ms: {h[4] / h[1]:.2f}x", flush=True)
     mb, ms = result["verify_weight_mb"], result["verify_ms"].get("on", {})
-    for how in ("routed", "as run") if set(mb) >= {0, 3} else ():
+    for how in ("routed", "gathered") if set(mb) >= {0, 3} else ():
         speed = f" (with passes: {mb[3][how] / ms[3]:.0f} / {mb[0][how] / ms[0]:.0f} GB/s)" if set(ms) >= {0, 3} else ""
         print(f"  weights read {how}: target_verify 4 rows {mb[3][how]:.0f} MB vs 1 row {mb[0][how]:.0f} MB: {mb[3][how] / mb[0][how]:.2f}x{speed}", flush=True)
     return result
@@ -174,9 +175,10 @@ def paired_best_ms(calls: dict[int, Callable[[], object]], runs: int) -> dict[in
 
 def verify_weight_bytes(rt: Runtime, k: int, args: argparse.Namespace) -> dict[str, int]:
     """Weight bytes the target_verify of `verify_call` reads: every target weight once, except that
-    of each layer's routed experts only those its rows are routed to ("routed"), or, as the graph
-    runs them, those of each row's experts once per row when rows gather their experts ("as run";
-    a repeated read may come from the CPU's cache), and of the embedding only the rows' own. The
+    of each layer's routed experts only those its rows are routed to ("routed", as group_experts runs
+    them), or those of each row's experts once per row when rows gather their experts ("gathered",
+    the model's own products; a repeated read may come from the CPU's cache), and of the embedding
+    only the rows' own. The
     routing is the eager step's on a copy of the state, recorded at each router."""
     model, routed = rt.model, []
     hooks = [m.register_forward_hook(lambda _m, _x, out: routed.append(out[0])) for m in model.modules() if isinstance(m, Router)]
@@ -190,12 +192,12 @@ def verify_weight_bytes(rt: Runtime, k: int, args: argparse.Namespace) -> dict[s
     embed = model.model.embed_tokens.weight
     dense = sum(p.nbytes for p in model.parameters() if id(p) not in mtp) - embed.nbytes + (k + 1) * embed[0].nbytes
     dense -= sum(p.nbytes for layer_experts in experts for p in layer_experts.parameters())
-    read = {"routed": dense, "as run": dense}
+    read = {"routed": dense, "gathered": dense}
     for layer_experts, idx in zip(experts, routed):
         n_experts = layer_experts.gate_proj.shape[0]
         each = sum(p.nbytes for p in layer_experts.parameters()) // n_experts
         read["routed"] += each * idx.unique().numel()
-        read["as run"] += each * (idx.numel() if layer_experts.gathers(*idx.shape, idx.device) else n_experts)
+        read["gathered"] += each * (idx.numel() if layer_experts.gathers(*idx.shape, idx.device) else n_experts)
     return read
 
 

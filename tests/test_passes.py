@@ -9,20 +9,24 @@ import copy
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from compiled_mtp.capture.compiler import example_inputs
 from compiled_mtp.graphs.state import StaticState
 from compiled_mtp.models.checkpoint import load_model
 from compiled_mtp.models.deepseek_v3 import Linear
-from compiled_mtp.passes.kernels import few_row_linear, packed_linear
+from compiled_mtp.models.deepseek_v3 import gathered_experts
+from compiled_mtp.passes.kernels import few_row_linear, packed_linear, routed_experts
 from compiled_mtp.passes.fold_key_constants import PREFIX, key_only
 from compiled_mtp.passes.fuse_verify_sampling import FUSED
 from compiled_mtp.capture.post_grad import post_grad_graphs
 from compiled_mtp.passes.manager import PassManager, available, inductor_options
-from compiled_mtp.passes import narrow_linear, packed_linear as packed_linear_pass
+from compiled_mtp.passes import group_experts, narrow_linear, packed_linear as packed_linear_pass
 from compiled_mtp.passes.packed_linear import LINEAR
 
 FEW_ROWS = torch.ops.compiled_mtp.few_row_linear.default
+ROUTED_EXPERTS = torch.ops.compiled_mtp.routed_experts.default
 
 aten = torch.ops.aten
 ALL = available()
@@ -256,14 +260,86 @@ def test_graphs_build_the_kernel_before_any_step_when_a_linear_needs_it(model, s
     CompiledGraphs(model, state, "inductor", passes=("packed_linear",))
     assert few_row_linear.build.cache_info().misses == 0
     monkeypatch.setattr(narrow_linear, "KERNEL_WEIGHT", 0)
-    narrow_linear.prepare(copy.deepcopy(model).bfloat16())  # the kernel takes float32 only
+    narrow_linear.NarrowLinear().prepare(copy.deepcopy(model).bfloat16())  # the kernel takes float32 only
     assert few_row_linear.build.cache_info().misses == 0
     CompiledGraphs(model, state, "inductor")
     assert few_row_linear.build.cache_info().misses == 1 and few_row_linear.build() is not None
 
 
+@pytest.mark.parametrize("kind,b,k,layers", [("target_verify", 1, 3, 1), ("draft_extend", 2, 2, 1), ("draft_decode", 2, 3, 2), ("prefill", 1, 0, 2)])
+def test_group_experts_replaces_each_moe_layers_gathered_products(model, state, kind, b, k, layers):
+    """One op per MoE layer run by the graph (the tiny target has one, M's layer runs once per draft
+    step and once in prefill); each replaces the three weight gathers and their products."""
+    before, after = _graphs(kind, b, k, model, state, ("group_experts",))
+    assert _count(before, ROUTED_EXPERTS) == 0 and _count(after, ROUTED_EXPERTS) == layers
+    assert _count(before, aten.index.Tensor) - _count(after, aten.index.Tensor) == 3 * layers
+    assert len(before.graph.nodes) - len(after.graph.nodes) >= 30 * layers
+    _assert_same(before, after, state, model, kind, b, k, exact=False)
+
+
+@pytest.mark.parametrize("kind,b,k", [("target_verify", 1, 0), ("draft_decode", 1, 2)])
+def test_group_experts_leaves_one_row_layers_to_inductor(model, state, kind, b, k):
+    before, after = _graphs(kind, b, k, model, state, ("group_experts",))
+    assert _count(before, aten.index.Tensor) >= 3 and len(after.graph.nodes) == len(before.graph.nodes)
+
+
+def test_group_experts_leaves_a_layer_the_op_does_not_reproduce(model, state, monkeypatch, caplog):
+    """The probe decides: an op that disagrees with the traced products replaces nothing."""
+    monkeypatch.setattr(group_experts, "ROUTED_EXPERTS", lambda x, *args: torch.zeros_like(x))
+    before, after = _graphs("target_verify", 1, 1, model, state, ("group_experts",))
+    assert len(after.graph.nodes) == len(before.graph.nodes)
+    assert "group_experts: a MoE layer's experts stay gathered: 0 of 2 assignments of its inputs agree with the op, expected 1" in caplog.text
+
+
+@settings(max_examples=40)
+@given(rows=st.integers(1, 11), k=st.integers(1, 4), extra=st.integers(0, 5), inter=st.integers(1, 40), hidden=st.integers(1, 70), seed=st.integers(0, 2**16))
+def test_routed_experts_matches_the_gathered_products(rows, k, extra, inter, hidden, seed):
+    """Any row count, chunks of 1-4 rows per expert, lengths that leave vector tails, and an expert
+    chosen twice by one row (the kernel takes what it is given)."""
+    gen = torch.Generator().manual_seed(seed)
+    n_experts = k + extra
+    x = torch.randn(rows, hidden, generator=gen)
+    idx = torch.randint(0, n_experts, (rows, k), generator=gen)
+    weights = torch.rand(rows, k, generator=gen)
+    gate, up, down = (torch.randn(shape, generator=gen) for shape in ((n_experts, inter, hidden), (n_experts, inter, hidden), (n_experts, hidden, inter)))
+    expected = gathered_experts(x, idx, weights, gate, up, down)
+    torch.testing.assert_close(ROUTED_EXPERTS(x, idx, weights, gate, up, down), expected, rtol=1e-4, atol=1e-4 * max(1.0, expected.abs().max().item()))
+
+
+def test_routed_experts_falls_back_to_the_gathered_products(monkeypatch):
+    gen = torch.Generator().manual_seed(0)
+    x, idx, weights = torch.randn(3, 24, generator=gen), torch.randint(0, 6, (3, 2), generator=gen), torch.rand(3, 2, generator=gen)
+    gate, up, down = torch.randn(6, 8, 24, generator=gen), torch.randn(6, 8, 24, generator=gen), torch.randn(6, 24, 8, generator=gen)
+    bf16 = [t.bfloat16() if t.is_floating_point() else t for t in (x, idx, weights, gate, up, down)]
+    for args in (bf16, (x, idx, weights, gate.transpose(1, 2).contiguous().transpose(1, 2), up, down)):
+        assert not routed_experts.supports(*args)
+        assert torch.equal(ROUTED_EXPERTS(*args), gathered_experts(*args))
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("g++: not found")
+
+    monkeypatch.setattr("torch._inductor.codecache.CppPythonBindingsCodeCache.load_pybinding", no_compiler)
+    routed_experts.build.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match=r"^routed_experts: the C\+\+ kernel did not build \(g\+\+: not found\); using the gathered products$"):
+            assert torch.equal(ROUTED_EXPERTS(x, idx, weights, gate, up, down), gathered_experts(x, idx, weights, gate, up, down))
+    finally:
+        routed_experts.build.cache_clear()
+
+
+def test_graphs_build_the_experts_kernel_before_any_step(model, state):
+    from compiled_mtp.capture.compiler import CompiledGraphs
+
+    routed_experts.build.cache_clear()
+    CompiledGraphs(model, state, "inductor", passes=("narrow_linear",))
+    CompiledGraphs(copy.deepcopy(model).bfloat16(), state, "inductor")  # the kernel takes float32 only
+    assert routed_experts.build.cache_info().misses == 0
+    CompiledGraphs(model, state, "inductor")
+    assert routed_experts.build.cache_info().misses == 1 and routed_experts.build() is not None
+
+
 def test_switches_and_uuids():
-    assert set(ALL) == {"fuse_verify_sampling", "narrow_linear", "packed_linear", "fold_key_constants"}
+    assert set(ALL) == {"fuse_verify_sampling", "group_experts", "narrow_linear", "packed_linear", "fold_key_constants"}
     uuids = {PassManager(tuple(subset)).uuid() for n in range(len(ALL) + 1) for subset in __import__("itertools").combinations(ALL, n)}
     assert len(uuids) == 2 ** len(ALL)  # every pass set keys its own cache entries
     assert PassManager(ALL).uuid() == PassManager(tuple(reversed(ALL))).uuid()  # run order is the registry's
@@ -278,7 +354,7 @@ def test_command_line_switch(capsys):
     from compiled_mtp.cli import _engine_options, main
 
     args = argparse.Namespace(max_seq_len=None, dtype=None, device=None, backend="inductor", cache_dir=None, disable_pass=["packed_linear"])
-    assert _engine_options(args, None)["passes"] == ("fold_key_constants", "fuse_verify_sampling", "narrow_linear")
+    assert _engine_options(args, None)["passes"] == ("fold_key_constants", "fuse_verify_sampling", "group_experts", "narrow_linear")
     with pytest.raises(SystemExit):
         main(["generate", "hello", "--disable-pass", "fuse_everything"])
     assert "invalid choice: 'fuse_everything'" in capsys.readouterr().err

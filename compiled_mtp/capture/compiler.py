@@ -25,8 +25,6 @@ import torch
 from ..graphs import steps
 from ..graphs.state import StaticState
 from ..models.deepseek_v3 import DeepseekV3
-from ..passes import narrow_linear, packed_linear
-from ..passes.kernels.packed_linear import pack_linears
 from ..passes.manager import inductor_options
 from . import aot
 from .cache import MISSING, GraphCache
@@ -111,11 +109,8 @@ class CompiledGraphs:
         self.state = state
         self.backend = backend
         self.inductor_options = inductor_options(passes)  # validates the pass names
-        enabled = self.inductor_options["post_grad_custom_post_pass"].enabled if backend == "inductor" else ()
-        if "packed_linear" in enabled:
-            pack_linears(model, packed_linear.MIN_WEIGHT)  # once, before any graph: every graph shares them
-        if "narrow_linear" in enabled:
-            narrow_linear.prepare(model)
+        if backend == "inductor":
+            self.inductor_options["post_grad_custom_post_pass"].prepare(model)
         # Only Inductor produces code worth storing; the other backends build in-process.
         self.cache = GraphCache(cache_dir) if cache_dir is not None and backend == "inductor" else None
         self._graphs: dict[GraphKey, Callable] = {}

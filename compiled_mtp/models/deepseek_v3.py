@@ -178,14 +178,19 @@ class Experts(nn.Module):
         return n * k <= n_experts or (device.type == "cpu" and 4 * k <= n_experts)
 
     def gathered(self, x: Tensor, idx: Tensor, weights: Tensor) -> Tensor:
-        gate, up, down = self.gate_proj[idx], self.up_proj[idx], self.down_proj[idx]  # [N, k, ...]
-        act = F.silu(torch.einsum("nh,nkih->nki", x, gate)) * torch.einsum("nh,nkih->nki", x, up)
-        return torch.einsum("nki,nkhi,nk->nh", act, down, weights)
+        return gathered_experts(x, idx, weights, self.gate_proj, self.up_proj, self.down_proj)
 
     def masked(self, x: Tensor, idx: Tensor, weights: Tensor) -> Tensor:
         dense = torch.zeros(x.shape[0], self.gate_proj.shape[0], dtype=weights.dtype, device=x.device).scatter_(1, idx, weights)
         act = F.silu(torch.einsum("nh,eih->nei", x, self.gate_proj)) * torch.einsum("nh,eih->nei", x, self.up_proj)
         return torch.einsum("nei,ehi,ne->nh", act, self.down_proj, dense)
+
+
+def gathered_experts(x: Tensor, idx: Tensor, weights: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
+    """Each row's k experts gathered and applied: x [N, H], idx / weights [N, k], gate / up [E, I, H],
+    down [E, H, I] -> [N, H]."""
+    act = F.silu(torch.einsum("nh,nkih->nki", x, gate[idx])) * torch.einsum("nh,nkih->nki", x, up[idx])
+    return torch.einsum("nki,nkhi,nk->nh", act, down[idx], weights)
 
 
 class Router(nn.Module):

@@ -26,7 +26,7 @@ from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch._inductor.pattern_matcher import stable_topological_sort
 
-from .fx_nodes import in_graph_order, upstream
+from .fx_nodes import boundary, in_graph_order, standalone, traced_region
 from .kernels import verify_sample as op_module
 from .kernels import verify_sample_triton as triton_kernel  # registers the CUDA kernel where Triton is installed
 
@@ -44,10 +44,10 @@ _FRAME = re.compile(r'graphs[/\\]sampling\.py", line \d+, in verify_sample\n')
 
 class FuseVerifySampling(CustomGraphPass):
     def __call__(self, graph: fx.Graph) -> None:
-        region = _region(graph)
+        region = traced_region(graph, _FRAME)
         if not region:
             return
-        inputs, outputs = _boundary(graph, region)
+        inputs, outputs = boundary(graph, region)
         devices = {n.meta["val"].device.type for n in inputs if isinstance(n.meta.get("val"), torch.Tensor)}
         if devices != {"cpu"} and not (devices == {"cuda"} and FUSE_ON_CUDA and triton_kernel.available()):
             log.info("fuse_verify_sampling: the sampling subgraph stays unfused on %s", "/".join(sorted(devices)))
@@ -61,25 +61,6 @@ class FuseVerifySampling(CustomGraphPass):
 
     def uuid(self) -> str:
         return get_hash_for_files((__file__, op_module.__file__, triton_kernel.__file__), str(FUSE_ON_CUDA)).hex()
-
-
-def _region(graph: fx.Graph) -> set[fx.Node]:
-    region = {n for n in graph.nodes if n.op == "call_function" and _FRAME.search(n.meta.get("stack_trace") or "")}
-    grown = bool(region)
-    while grown:
-        grown = False
-        for n in graph.nodes:
-            if n.op == "call_function" and n not in region and not n.meta.get("stack_trace") and n.users and set(n.users) <= region:
-                region.add(n)
-                grown = True
-    return region
-
-
-def _boundary(graph: fx.Graph, region: set[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
-    """External nodes the region reads and region nodes read outside it, in graph order."""
-    inputs = {a for n in region for a in n.all_input_nodes if a not in region}
-    outputs = {n for n in region if any(u not in region for u in n.users)}
-    return in_graph_order(inputs, graph), in_graph_order(outputs, graph)
 
 
 def _signature(node: fx.Node) -> tuple[int, bool]:
@@ -107,7 +88,7 @@ def _roles(inputs: list[fx.Node], outputs: list[fx.Node]):
         for temperature, top_p in itertools.permutations(by_kind[(1, True)])
     ]
     try:
-        region = _standalone(inputs, outputs)
+        region = standalone(inputs, outputs)
         agreement = [_agreement(region, args, inputs) for args in candidates]
     except Exception as e:  # the region does not run as the verify sampling would (another graph)
         return f"the region does not run on probe inputs ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
@@ -132,16 +113,6 @@ def _agreement(region: fx.GraphModule, args: list[fx.Node], inputs: list[fx.Node
         same += int(((accepted == fused_accepted) & (tokens == fused_tokens).all(-1)).sum())
         total += batch
     return same / total
-
-
-def _standalone(inputs: list[fx.Node], outputs: list[fx.Node]) -> fx.GraphModule:
-    """The region as a module of its own: inputs -> outputs."""
-    sub = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {n: sub.placeholder(f"in{i}") for i, n in enumerate(inputs)}
-    for n in upstream(outputs, stop=inputs):
-        env[n] = sub.node_copy(n, lambda a: env[a])
-    sub.output(tuple(env[n] for n in outputs))
-    return fx.GraphModule(torch.nn.Module(), sub)
 
 
 # (temperature, top_k, top_p) of probe rows: greedy, temperature-only, top-k, top-p, mixes, chosen so

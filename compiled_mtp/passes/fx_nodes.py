@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+import re
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,37 @@ def upstream(nodes: list[fx.Node], stop: Iterable[fx.Node] = ()) -> list[fx.Node
             found.append(n)
             stack.extend(n.all_input_nodes)
     return in_graph_order(found, nodes[0].graph)
+
+
+def traced_region(graph: fx.Graph, frame: re.Pattern) -> set[fx.Node]:
+    """The nodes traced inside a function, found by `frame` in their stack traces, and the nodes
+    Inductor created without a trace whose users are all in the region."""
+    region = {n for n in graph.nodes if n.op == "call_function" and frame.search(n.meta.get("stack_trace") or "")}
+    grown = bool(region)
+    while grown:
+        grown = False
+        for n in graph.nodes:
+            if n.op == "call_function" and n not in region and not n.meta.get("stack_trace") and n.users and set(n.users) <= region:
+                region.add(n)
+                grown = True
+    return region
+
+
+def boundary(graph: fx.Graph, region: set[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
+    """External nodes the region reads and region nodes read outside it, in graph order."""
+    inputs = {a for n in region for a in n.all_input_nodes if a not in region}
+    outputs = {n for n in region if any(u not in region for u in n.users)}
+    return in_graph_order(inputs, graph), in_graph_order(outputs, graph)
+
+
+def standalone(inputs: list[fx.Node], outputs: list[fx.Node]) -> fx.GraphModule:
+    """The nodes between `inputs` and `outputs` as a module of their own: inputs -> outputs."""
+    sub = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {n: sub.placeholder(f"in{i}") for i, n in enumerate(inputs)}
+    for n in upstream(outputs, stop=inputs):
+        env[n] = sub.node_copy(n, lambda a: env[a])
+    sub.output(tuple(env[n] for n in outputs))
+    return fx.GraphModule(torch.nn.Module(), sub)
 
 
 @dataclass(frozen=True)

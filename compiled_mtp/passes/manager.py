@@ -15,15 +15,17 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .fold_key_constants import FoldKeyConstants
 from .fuse_verify_sampling import FuseVerifySampling
+from .group_experts import GroupExperts
 from .narrow_linear import NarrowLinear
 from .packed_linear import PackedLinear
 
 # name -> pass instance, in the order they run; each pass lives in its own module of this package.
-# Fusion goes first: the region it looks for is the graph as traced. narrow_linear takes the linears
+# The passes that replace traced regions go first: they look for the graph as traced. narrow_linear takes the linears
 # on few rows before packed_linear takes the other large ones. Folding goes last, so it also folds
 # what the other passes leave key-only.
 REGISTRY: dict[str, CustomGraphPass] = {
     "fuse_verify_sampling": FuseVerifySampling(),
+    "group_experts": GroupExperts(),
     "narrow_linear": NarrowLinear(),
     "packed_linear": PackedLinear(),
     "fold_key_constants": FoldKeyConstants(),
@@ -46,6 +48,14 @@ class PassManager(CustomGraphPass):
     def __call__(self, graph: torch.fx.Graph) -> None:
         for name in self.enabled:
             REGISTRY[name](graph)
+
+    def prepare(self, model: torch.nn.Module) -> None:
+        """What the enabled passes do once per model, before any graph is built or loaded (pack
+        weights, build kernels), so that no step served waits for it."""
+        for name in self.enabled:
+            prepare = getattr(REGISTRY[name], "prepare", None)
+            if prepare is not None:
+                prepare(model)
 
     def uuid(self) -> str:
         parts = [f"{name}:{REGISTRY[name].uuid()}" for name in self.enabled]

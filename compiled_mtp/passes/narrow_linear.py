@@ -57,13 +57,13 @@ class NarrowLinear(CustomGraphPass):
     def uuid(self) -> str:
         return get_hash_for_files((__file__, op_module.__file__), f"{NARROW_ROWS}/{KERNEL_WEIGHT}/{KERNEL_ROWS}").hex()
 
+    def prepare(self, model: nn.Module) -> None:
+        """Build the few-row kernel now if some linear of `model` goes to it, so that the first step
+        served (from the capture cache, say) does not wait for the compiler."""
+        weights = [m.weight for m in model.modules() if isinstance(m, Linear)]
+        if any(w.device.type == "cpu" and w.dtype == torch.float32 and w.numel() >= KERNEL_WEIGHT for w in weights):
+            op_module.build()
 
-def prepare(model: nn.Module) -> None:
-    """Build the few-row kernel now if some linear of `model` goes to it, so that the first step
-    served (from the capture cache, say) does not wait for the compiler."""
-    weights = [m.weight for m in model.modules() if isinstance(m, Linear)]
-    if any(w.device.type == "cpu" and w.dtype == torch.float32 and w.numel() >= KERNEL_WEIGHT for w in weights):
-        op_module.build()
 
 
 def _narrow(graph: fx.Graph, lin: LinearNode) -> fx.Node:

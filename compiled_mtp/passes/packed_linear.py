@@ -9,7 +9,7 @@ CPU float32 graphs are rewritten.
 from __future__ import annotations
 
 import torch
-from torch import fx
+from torch import fx, nn
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from .fx_nodes import LinearNode, call, linears
@@ -32,6 +32,10 @@ class PackedLinear(CustomGraphPass):
 
     def uuid(self) -> str:
         return get_hash_for_files((__file__, op_module.__file__), str(MIN_WEIGHT)).hex()
+
+    def prepare(self, model: nn.Module) -> None:
+        """Pack the model's weights once, before any graph: every graph shares them."""
+        op_module.pack_linears(model, MIN_WEIGHT)
 
 
 def _pays(lin: LinearNode) -> bool:

@@ -10,19 +10,20 @@ of x meets several weight rows, each product has its own accumulator (at least 4
 of fused multiply-adds), and the weight is prefetched 16 KB ahead into L2, so the memory stays busy
 while the cores multiply.
 
-The kernel is compiled once (Inductor's C++ toolchain: the same compiler and vector flags as its own
-kernels, cached on disk); where that fails, the op warns once and runs `F.linear`.
+The kernel is compiled once (cpp_build.py: Inductor's C++ toolchain and disk cache); where that
+fails, the op warns once and runs `F.linear`.
 """
 
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from . import cpp_build
 
 MAX_ROWS = 4
 
@@ -77,14 +78,8 @@ extern "C" void kernel(const float* x, const float* w, float* out, int64_t rows,
 def build() -> Callable[..., None] | None:
     """The compiled kernel (built on the first call in a process, from Inductor's disk cache after the
     first anywhere), or None where it does not build."""
-    from torch._inductor.codecache import CppPythonBindingsCodeCache
-
-    try:
-        argtypes = ["const float*", "const float*", "float*", "int64_t", "int64_t", "int64_t", "int64_t"]
-        return CppPythonBindingsCodeCache.load_pybinding(argtypes, _SOURCE, needs_vec_isa=True)
-    except Exception as error:  # a missing or failing compiler: stay correct, only slower
-        warnings.warn(f"few_row_linear: the C++ kernel did not build ({str(error).splitlines()[0]}); using F.linear", stacklevel=2)
-        return None
+    argtypes = ["const float*", "const float*", "float*", "int64_t", "int64_t", "int64_t", "int64_t"]
+    return cpp_build.load("few_row_linear", argtypes, _SOURCE, fallback="F.linear")
 
 
 def supports(x: Tensor, weight: Tensor) -> bool:

@@ -90,7 +90,11 @@ def supports(x: Tensor, weight: Tensor) -> bool:
     )
 
 
-@torch.library.custom_op("compiled_mtp::few_row_linear", mutates_args=())
+# Defined and implemented directly, like routed_experts: a torch.library.custom_op's wrapper costs
+# about 25 us a call, this 5 us.
+torch.library.define("compiled_mtp::few_row_linear", "(Tensor x, Tensor weight) -> Tensor")
+
+
 def few_row_linear(x: Tensor, weight: Tensor) -> Tensor:
     """x [rows, in] -> x W^T [rows, out]."""
     kernel = build() if supports(x, weight) else None
@@ -102,6 +106,9 @@ def few_row_linear(x: Tensor, weight: Tensor) -> Tensor:
     return out
 
 
-@few_row_linear.register_fake
+torch.library.impl("compiled_mtp::few_row_linear", "CompositeExplicitAutograd", few_row_linear)
+
+
+@torch.library.register_fake("compiled_mtp::few_row_linear")
 def _(x, weight):
     return x.new_empty(x.shape[0], weight.shape[0])

@@ -178,8 +178,8 @@ def verify_weight_bytes(rt: Runtime, k: int, args: argparse.Namespace) -> dict[s
     of each layer's routed experts only those its rows are routed to ("routed", as group_experts runs
     them), or those of each row's experts once per row when rows gather their experts ("gathered",
     the model's own products; a repeated read may come from the CPU's cache), and of the embedding
-    only the rows' own. The
-    routing is the eager step's on a copy of the state, recorded at each router."""
+    only the rows' own. The routing is the eager step's on a copy of the state, recorded at each
+    router."""
     model, routed = rt.model, []
     hooks = [m.register_forward_hook(lambda _m, _x, out: routed.append(out[0])) for m in model.modules() if isinstance(m, Router)]
     try:

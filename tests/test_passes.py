@@ -15,8 +15,7 @@ from hypothesis import strategies as st
 from compiled_mtp.capture.compiler import example_inputs
 from compiled_mtp.graphs.state import StaticState
 from compiled_mtp.models.checkpoint import load_model
-from compiled_mtp.models.deepseek_v3 import Linear
-from compiled_mtp.models.deepseek_v3 import gathered_experts
+from compiled_mtp.models.deepseek_v3 import Linear, gathered_experts
 from compiled_mtp.passes.kernels import few_row_linear, packed_linear, routed_experts
 from compiled_mtp.passes.fold_key_constants import PREFIX, key_only
 from compiled_mtp.passes.fuse_verify_sampling import FUSED

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
 import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch

@@ -20,9 +20,9 @@ from .narrow_linear import NarrowLinear
 from .packed_linear import PackedLinear
 
 # name -> pass instance, in the order they run; each pass lives in its own module of this package.
-# The passes that replace traced regions go first: they look for the graph as traced. narrow_linear takes the linears
-# on few rows before packed_linear takes the other large ones. Folding goes last, so it also folds
-# what the other passes leave key-only.
+# The passes that replace traced regions go first: they look for the graph as traced. narrow_linear
+# takes the linears on few rows before packed_linear takes the other large ones. Folding goes last,
+# so it also folds what the other passes leave key-only.
 REGISTRY: dict[str, CustomGraphPass] = {
     "fuse_verify_sampling": FuseVerifySampling(),
     "group_experts": GroupExperts(),

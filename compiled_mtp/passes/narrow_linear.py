@@ -65,7 +65,6 @@ class NarrowLinear(CustomGraphPass):
             op_module.build()
 
 
-
 def _narrow(graph: fx.Graph, lin: LinearNode) -> fx.Node:
     if lin.weight_size >= KERNEL_WEIGHT and lin.rows >= KERNEL_ROWS:
         return call(graph, torch.ops.compiled_mtp.few_row_linear.default, lin.x, lin.weight)

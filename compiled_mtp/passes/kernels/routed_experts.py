@@ -36,14 +36,15 @@ constexpr int64_t PREFETCH = 2048;  // floats ahead in the weight rows being rea
 
 // Dot products of R input rows with 2 weight rows, length k: sums[r][o].
 template <int R>
-static inline void dots(const float* const* xr, const float* w0, const float* w1, int64_t k, float sums[][2]) {
+static inline void dots(const float* const* xr, const float* const* w, int64_t k, float sums[][2]) {
     const int64_t vk = k - k % Vec::size();
     Vec acc[R][2];
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = Vec(0.f);
     for (int64_t c = 0; c < vk; c += Vec::size()) {
-        __builtin_prefetch(w0 + c + PREFETCH, 0, 1);  // never faults, also past the end
-        __builtin_prefetch(w1 + c + PREFETCH, 0, 1);
-        const Vec a = Vec::loadu(w0 + c), b = Vec::loadu(w1 + c);
+        __builtin_prefetch(w[0] + c + PREFETCH, 0, 1);  // never faults, also past the end
+        const Vec a = Vec::loadu(w[0] + c);
+        __builtin_prefetch(w[1] + c + PREFETCH, 0, 1);
+        const Vec b = Vec::loadu(w[1] + c);
         for (int r = 0; r < R; r++) {
             const Vec xs = Vec::loadu(xr[r] + c);
             acc[r][0] = at::vec::fmadd(xs, a, acc[r][0]);
@@ -53,15 +54,15 @@ static inline void dots(const float* const* xr, const float* w0, const float* w1
     auto add = [](Vec& p, Vec& q) { return p + q; };
     for (int r = 0; r < R; r++) {
         float s0 = at::vec::vec_reduce_all<float>(add, acc[r][0]), s1 = at::vec::vec_reduce_all<float>(add, acc[r][1]);
-        for (int64_t c = vk; c < k; c++) { s0 += xr[r][c] * w0[c]; s1 += xr[r][c] * w1[c]; }
+        for (int64_t c = vk; c < k; c++) { s0 += xr[r][c] * w[0][c]; s1 += xr[r][c] * w[1][c]; }
         sums[r][0] = s0; sums[r][1] = s1;
     }
 }
 
 template <int R>
-static void dots_any(int64_t rows, const float* const* xr, const float* w0, const float* w1, int64_t k, float sums[][2]) {
-    if (rows == R) dots<R>(xr, w0, w1, k, sums);
-    else if constexpr (R > 1) dots_any<R - 1>(rows, xr, w0, w1, k, sums);
+static void dots_any(int64_t rows, const float* const* xr, const float* const* w, int64_t k, float sums[][2]) {
+    if (rows == R) dots<R>(xr, w, k, sums);
+    else if constexpr (R > 1) dots_any<R - 1>(rows, xr, w, k, sums);
 }
 
 // x [n, h], idx / weight [n, k], gate / up [e, inter, h], down [e, h, inter] -> out [n, h]
@@ -76,9 +77,12 @@ extern "C" void kernel(const float* x, const int64_t* idx, const float* weight, 
     std::vector<float> act(n * k * inter);  // silu(x gate^T) * (x up^T) per (row, slot)
     const int64_t gate_blocks = (inter + GATE_BLOCK - 1) / GATE_BLOCK;
     const int64_t items = static_cast<int64_t>(used.size()) * gate_blocks;
+    // Static schedules: each thread reads one contiguous run of the chosen experts' weights; handing
+    // out blocks in turn (dynamic) made both threads read interleaved blocks, 5.1 ms instead of 4.0 for
+    // the 250m preset's 7 layers at 4 rows when the memory was fast.
     #pragma omp parallel num_threads(threads)
     {
-        #pragma omp for schedule(dynamic, 1)
+        #pragma omp for schedule(static)
         for (int64_t item = 0; item < items; item++) {
             const int64_t ex = used[item / gate_blocks], i0 = (item % gate_blocks) * GATE_BLOCK;
             const std::vector<int64_t>& ps = pairs[ex];
@@ -87,13 +91,14 @@ extern "C" void kernel(const float* x, const int64_t* idx, const float* weight, 
                 const float* xr[MAX_ROWS];
                 for (int64_t r = 0; r < rows; r++) xr[r] = x + ps[p0 + r] / k * h;
                 for (int64_t i = i0; i < std::min(i0 + GATE_BLOCK, inter); i++) {
+                    const float* w[2] = {gate + (ex * inter + i) * h, up + (ex * inter + i) * h};
                     float s[MAX_ROWS][2];
-                    dots_any<MAX_ROWS>(rows, xr, gate + (ex * inter + i) * h, up + (ex * inter + i) * h, h, s);
+                    dots_any<MAX_ROWS>(rows, xr, w, h, s);
                     for (int64_t r = 0; r < rows; r++) act[ps[p0 + r] * inter + i] = s[r][0] / (1.f + std::exp(-s[r][0])) * s[r][1];
                 }
             }
         }
-        #pragma omp for schedule(dynamic, 1)
+        #pragma omp for schedule(static)
         for (int64_t j0 = 0; j0 < h; j0 += DOWN_BLOCK) {
             const int64_t j1 = std::min(j0 + DOWN_BLOCK, h);
             for (int64_t t = 0; t < n; t++) std::fill(out + t * h + j0, out + t * h + j1, 0.f);
@@ -105,8 +110,9 @@ extern "C" void kernel(const float* x, const int64_t* idx, const float* weight, 
                     for (int64_t r = 0; r < rows; r++) ar[r] = act.data() + ps[p0 + r] * inter;
                     for (int64_t j = j0; j < j1; j += 2) {
                         const int64_t j2 = std::min(j + 1, j1 - 1);  // an odd last row is computed twice, stored once
+                        const float* w[2] = {down + (ex * h + j) * inter, down + (ex * h + j2) * inter};
                         float s[MAX_ROWS][2];
-                        dots_any<MAX_ROWS>(rows, ar, down + (ex * h + j) * inter, down + (ex * h + j2) * inter, inter, s);
+                        dots_any<MAX_ROWS>(rows, ar, w, inter, s);
                         for (int64_t r = 0; r < rows; r++) {
                             const int64_t p = ps[p0 + r];
                             out[p / k * h + j] += weight[p] * s[r][0];

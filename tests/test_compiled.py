@@ -70,6 +70,21 @@ def test_mixed_workload_after_warmup_triggers_no_recompile(noisy_echo):
     assert stats["recompiles"] == 0
 
 
+
+@pytest.mark.parametrize("change", ["width", "dtype"])
+def test_step_tensor_unlike_the_traced_one_fails_loudly(noisy_echo, change):
+    """Graphs skip Dynamo's guards on the model's and the state's modules, which never change after
+    capture, but keep those on the step tensors: a call with noise of another width or dtype than
+    its key traced raises instead of running the graph."""
+    rt = Runtime(noisy_echo, mtp_depth=1, batch_sizes=(1,), max_seq_len=48, compile_backend="aot_eager", prefill_chunk=8)
+    rt.generate(_prompts(1), PARAMS)
+    key = ("target_verify", 1, 1)
+    assert rt.graphs.replays[key] > 0
+    slot = torch.tensor([rt.state.scratch_slot])
+    noise = torch.zeros(1, 3) if change == "width" else torch.zeros(1, 2, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="recompile"):
+        rt.graphs(key, slot, torch.zeros(1, dtype=torch.long), noise)
+
 def test_inductor_graphs_equal_the_reference(tmp_path, monkeypatch):
     """Real Inductor code with every custom pass, for every kind at K = 2, buckets 1 and 2 (a 1-layer
     model keeps compile short): greedy output equals the reference, sampled output the eager steps.

@@ -18,6 +18,7 @@ from compiled_mtp.models.checkpoint import load_model
 from compiled_mtp.models.deepseek_v3 import Linear, gathered_experts
 from compiled_mtp.passes.kernels import few_row_linear, packed_linear, routed_experts
 from compiled_mtp.passes.fold_key_constants import PREFIX, key_only
+from compiled_mtp.passes.fuse_draft_sampling import FUSED as DRAFT_FUSED
 from compiled_mtp.passes.fuse_verify_sampling import FUSED
 from compiled_mtp.capture.post_grad import post_grad_graphs
 from compiled_mtp.passes.manager import PassManager, available, inductor_options
@@ -111,6 +112,31 @@ def test_verify_sampling_becomes_one_fused_op(model, state, b, k):
     assert removed >= 60, f"{len(before.graph.nodes)} -> {len(after.graph.nodes)} nodes"
     _assert_same(before, after, state, model, "target_verify", b, k, seeds=range(5))
 
+
+
+@pytest.mark.parametrize("kind,b,k,drafts", [("draft_extend", 1, 1, 1), ("draft_extend", 3, 2, 1), ("draft_decode", 2, 3, 2), ("draft_decode", 1, 2, 1)])
+def test_each_draft_sampling_becomes_one_fused_op(model, state, kind, b, k, drafts):
+    """One op per draft the graph samples, no sort left; the same drafts, draft distributions and
+    state as without the pass, over mixed greedy / temperature / top-k / top-p requests."""
+    before, after = _graphs(kind, b, k, model, state, ("fuse_draft_sampling",))
+    assert _count(before, DRAFT_FUSED) == 0 and _count(before, aten.sort.stable) == drafts
+    assert _count(after, DRAFT_FUSED) == drafts and _count(after, aten.sort.stable) == 0 and _count(after, aten.cumsum.default) == 0
+    assert len(before.graph.nodes) - len(after.graph.nodes) >= 40 * drafts, f"{len(before.graph.nodes)} -> {len(after.graph.nodes)} nodes"
+    _assert_same(before, after, state, model, kind, b, k, seeds=range(5), exact=False)
+
+
+def test_draft_sampling_that_disagrees_with_the_op_stays(model, state, monkeypatch, caplog):
+    from compiled_mtp.passes import fuse_draft_sampling
+
+    def wrong(logits, temperature, top_k, top_p, u):
+        tokens, q = torch.ops.compiled_mtp.draft_sample(logits, temperature, top_k, top_p, u)
+        return (tokens + 1) % logits.shape[-1], q
+
+    monkeypatch.setattr(fuse_draft_sampling, "FUSED", wrong)
+    with caplog.at_level("WARNING", logger="compiled_mtp.passes"):
+        _, after = _graphs("draft_extend", 2, 1, model, state, ("fuse_draft_sampling",))
+    assert _count(after, aten.sort.stable) == 1
+    assert "fuse_draft_sampling: left unfused: the fused op reproduces 0%" in caplog.text
 
 @pytest.mark.parametrize("kind,b,k", [("prefill", 1, 0), ("draft_decode", 2, 3), ("target_verify", 2, 2), ("draft_extend", 2, 2)])
 def test_no_key_only_op_survives_the_passes(model, state, kind, b, k):
@@ -338,7 +364,7 @@ def test_graphs_build_the_experts_kernel_before_any_step(model, state):
 
 
 def test_switches_and_uuids():
-    assert set(ALL) == {"fuse_verify_sampling", "group_experts", "narrow_linear", "packed_linear", "fold_key_constants"}
+    assert set(ALL) == {"fuse_verify_sampling", "fuse_draft_sampling", "group_experts", "narrow_linear", "packed_linear", "fold_key_constants"}
     uuids = {PassManager(tuple(subset)).uuid() for n in range(len(ALL) + 1) for subset in __import__("itertools").combinations(ALL, n)}
     assert len(uuids) == 2 ** len(ALL)  # every pass set keys its own cache entries
     assert PassManager(ALL).uuid() == PassManager(tuple(reversed(ALL))).uuid()  # run order is the registry's
@@ -353,7 +379,7 @@ def test_command_line_switch(capsys):
     from compiled_mtp.cli import _engine_options, main
 
     args = argparse.Namespace(max_seq_len=None, dtype=None, device=None, backend="inductor", cache_dir=None, disable_pass=["packed_linear"])
-    assert _engine_options(args, None)["passes"] == ("fold_key_constants", "fuse_verify_sampling", "group_experts", "narrow_linear")
+    assert _engine_options(args, None)["passes"] == ("fold_key_constants", "fuse_draft_sampling", "fuse_verify_sampling", "group_experts", "narrow_linear")
     with pytest.raises(SystemExit):
         main(["generate", "hello", "--disable-pass", "fuse_everything"])
     assert "invalid choice: 'fuse_everything'" in capsys.readouterr().err

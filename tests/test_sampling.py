@@ -449,3 +449,24 @@ def test_fused_verify_op_gives_the_traced_tokens(case):
         with mock.patch.object(kernel, "SPARE_BUCKETS", spare):
             got = kernel.verify_sample(*case)
         assert torch.equal(expected[0], got[0]) and torch.equal(expected[1], got[1]), spare
+
+
+@SETTINGS
+@given(verify_cases())
+def test_fused_draft_op_gives_the_traced_drafts(case):
+    """The draft op on the first row of each drawn verify case: the traced definition's tokens, and
+    its q up to rounding (also with candidates that only just decide a top-k/top-p cut)."""
+    from unittest import mock
+
+    from compiled_mtp.graphs.sampling import draft_sample
+    from compiled_mtp.passes.kernels import draft_sample as draft_kernel
+    from compiled_mtp.passes.kernels import verify_sample as kernel
+
+    logits, temperature, top_k, top_p, _, _, noise = case
+    args = (logits[:, 0], temperature, top_k, top_p, noise[:, 0])
+    tokens, q = draft_sample(*args)
+    for spare in (kernel.SPARE_BUCKETS, 0, -3):
+        with mock.patch.object(kernel, "SPARE_BUCKETS", spare):
+            got_tokens, got_q = draft_kernel.draft_sample(*args)
+        assert torch.equal(tokens, got_tokens), spare
+        torch.testing.assert_close(got_q, q, rtol=1e-5, atol=1e-6)

@@ -106,7 +106,7 @@ def _agreement(region: fx.GraphModule, args: list[fx.Node], inputs: list[fx.Node
     gen = torch.Generator().manual_seed(0)
     batch = args[0].meta["val"].shape[0]
     same = total = 0
-    for probe in range(max(2, -(-_PROBE_ROWS // batch))):  # two draws at the least
+    for probe in range(max(2, -(-PROBE_ROWS // batch))):  # two draws at the least
         values = _probe_inputs(args, probe, gen)
         env = dict(zip(args, values))
         (accepted, tokens), (fused_accepted, fused_tokens) = region(*(env[n] for n in inputs)), FUSED(*values)
@@ -119,7 +119,22 @@ def _agreement(region: fx.GraphModule, args: list[fx.Node], inputs: list[fx.Node
 # that swapping temperature and top_p changes the distribution a lot (a top_p >= 1 keeps every
 # token, a top_p near 0 acts greedy): probe rows tell the two [B] float inputs apart.
 _PROBE_PARAMS = [(0.0, 0, 1.0), (4.0, 0, 1.0), (3.0, 0, 0.3), (2.0, 5, 1.0), (1.0, 0, 0.5), (3.0, 0, 1.0), (0.8, 3, 0.9), (2.5, 0, 0.6)]
-_PROBE_ROWS = 32
+PROBE_ROWS = 32
+
+
+def probe_logits(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """A few live tokens per row and the rest far below: the draws depend on every parameter, and the
+    steps of the CDF are wide, so rounding in the region's sums never decides a token."""
+    logits = torch.full(shape, -40.0)
+    live = torch.rand(shape, generator=gen).argsort(-1)[..., :_LIVE_TOKENS]
+    return logits.scatter_(-1, live, 1.5 * torch.randn(live.shape, generator=gen))
+
+
+def probe_params(batch: int, probe: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(temperature, top_k, top_p) [batch] of probe `probe`, cycling rows through _PROBE_PARAMS."""
+    params = [_PROBE_PARAMS[(row + probe) % len(_PROBE_PARAMS)] for row in range(batch)]
+    temperature, top_k, top_p = (torch.tensor(v) for v in zip(*params))
+    return temperature.float(), top_k.long(), top_p.float()
 
 
 def _probe_inputs(args: list[fx.Node], probe: int, gen: torch.Generator) -> list[torch.Tensor]:
@@ -128,17 +143,12 @@ def _probe_inputs(args: list[fx.Node], probe: int, gen: torch.Generator) -> list
     logits_val, *_, drafts_val, probs_val, noise_val = (a.meta["val"] for a in args)
     batch, rows, vocab = logits_val.shape
     k = rows - 1
-    # A few live tokens per row and the rest far below: the draws depend on every parameter, and the
-    # steps of the CDF are wide, so rounding in the region's sums never decides a token.
-    logits = torch.full((batch, rows, vocab), -40.0)
-    live = torch.rand(batch, rows, vocab, generator=gen).argsort(-1)[..., :_LIVE_TOKENS]
-    logits.scatter_(-1, live, 1.5 * torch.randn(live.shape, generator=gen))
-    params = [_PROBE_PARAMS[(row + probe) % len(_PROBE_PARAMS)] for row in range(batch)]
-    temperature, top_k, top_p = (torch.tensor(v) for v in zip(*params))
+    logits = probe_logits((batch, rows, vocab), gen)
+    temperature, top_k, top_p = probe_params(batch, probe)
     q = torch.softmax(torch.randn(batch, k, vocab, generator=gen) * 3, dim=-1)
     drafts = torch.where(torch.rand(batch, k, generator=gen) < 0.7, logits[:, :k].argmax(-1), torch.randint(0, vocab, (batch, k), generator=gen))
     noise = torch.rand(batch, rows, generator=gen)
-    values = [logits, temperature.float(), top_k.long(), top_p.float(), drafts.to(drafts_val.dtype), q.to(probs_val.dtype), noise.to(noise_val.dtype)]
+    values = [logits, temperature, top_k, top_p, drafts.to(drafts_val.dtype), q.to(probs_val.dtype), noise.to(noise_val.dtype)]
     return [v.to(logits_val.device) for v in values]  # on the graph's device: that device's kernel is what runs
 
 

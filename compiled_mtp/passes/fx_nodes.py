@@ -44,6 +44,24 @@ def traced_region(graph: fx.Graph, frame: re.Pattern) -> set[fx.Node]:
     return region
 
 
+def connected_parts(region: set[fx.Node]) -> list[set[fx.Node]]:
+    """The region's connected parts (one per call of the traced function, where calls share no node)."""
+    parts, seen = [], set()
+    for start in region:
+        if start in seen:
+            continue
+        part, stack = set(), [start]
+        while stack:
+            n = stack.pop()
+            if n in part:
+                continue
+            part.add(n)
+            stack.extend(m for m in (*n.all_input_nodes, *n.users) if m in region)
+        seen |= part
+        parts.append(part)
+    return parts
+
+
 def boundary(graph: fx.Graph, region: set[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
     """External nodes the region reads and region nodes read outside it, in graph order."""
     inputs = {a for n in region for a in n.all_input_nodes if a not in region}

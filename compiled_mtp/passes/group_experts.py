@@ -28,7 +28,7 @@ from torch import fx, nn
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from ..models.deepseek_v3 import Experts
-from .fx_nodes import boundary, call, in_graph_order, on_cpu_float32, standalone, traced_region
+from .fx_nodes import boundary, call, connected_parts, in_graph_order, on_cpu_float32, standalone, traced_region
 from .kernels import routed_experts as op_module
 
 log = logging.getLogger("compiled_mtp.passes")
@@ -39,7 +39,7 @@ _FRAME = re.compile(r'models[/\\]deepseek_v3\.py", line \d+, in gathered_experts
 
 class GroupExperts(CustomGraphPass):
     def __call__(self, graph: fx.Graph) -> None:
-        for region in _layers(traced_region(graph, _FRAME)):
+        for region in connected_parts(traced_region(graph, _FRAME)):
             inputs, outputs = boundary(graph, region)
             if _rows(outputs) < MIN_ROWS:
                 continue
@@ -61,24 +61,6 @@ class GroupExperts(CustomGraphPass):
         experts = [m.gate_proj for m in model.modules() if isinstance(m, Experts)]
         if any(w.device.type == "cpu" and w.dtype == torch.float32 for w in experts):
             op_module.build()
-
-
-def _layers(region: set[fx.Node]) -> list[set[fx.Node]]:
-    """The region's connected parts: one per MoE layer."""
-    parts, seen = [], set()
-    for start in region:
-        if start in seen:
-            continue
-        part, stack = set(), [start]
-        while stack:
-            n = stack.pop()
-            if n in part:
-                continue
-            part.add(n)
-            stack.extend(m for m in (*n.all_input_nodes, *n.users) if m in region)
-        seen |= part
-        parts.append(part)
-    return parts
 
 
 def _rows(outputs: list[fx.Node]) -> int:

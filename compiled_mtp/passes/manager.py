@@ -14,6 +14,7 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .fold_key_constants import FoldKeyConstants
+from .fuse_draft_sampling import FuseDraftSampling
 from .fuse_verify_sampling import FuseVerifySampling
 from .group_experts import GroupExperts
 from .narrow_linear import NarrowLinear
@@ -25,6 +26,7 @@ from .packed_linear import PackedLinear
 # so it also folds what the other passes leave key-only.
 REGISTRY: dict[str, CustomGraphPass] = {
     "fuse_verify_sampling": FuseVerifySampling(),
+    "fuse_draft_sampling": FuseDraftSampling(),
     "group_experts": GroupExperts(),
     "narrow_linear": NarrowLinear(),
     "packed_linear": PackedLinear(),

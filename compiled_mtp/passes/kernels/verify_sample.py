@@ -42,7 +42,7 @@ def verify_sample(
     logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, drafts: Tensor, draft_probs: Tensor, noise: Tensor
 ) -> tuple[Tensor, Tensor]:
     """Arguments and results as `graphs.sampling.verify_sample`: (num_accepted [B], tokens [B, K+1])."""
-    return verify_by_kind(_softmax_rows, _filtered_rows, logits, temperature, top_k, top_p, drafts, draft_probs, noise)
+    return verify_by_kind(softmax_rows, filtered_rows, logits, temperature, top_k, top_p, drafts, draft_probs, noise)
 
 
 @verify_sample.register_fake
@@ -60,17 +60,17 @@ def verify_by_kind(
     greedy requests take an argmax."""
     logits = logits.float()
     greedy = temperature <= 0
-    plain_mask = ~greedy & ~_limits_k(top_k, logits.shape[-1]) & (top_p >= 1)
+    plain_mask = ~greedy & ~cuts_top_k(top_k, logits.shape[-1]) & (top_p >= 1)
     g, s, f = (mask.nonzero().squeeze(1) for mask in (greedy, plain_mask, ~greedy & ~plain_mask))
     groups = [
-        (g, Argmax(_rows_of(logits, g).argmax(-1))),
-        (s, plain(_rows_of(logits, s), temperature[s])),
-        (f, filtered(_rows_of(logits, f), temperature[f], top_k[f], top_p[f])),
+        (g, Argmax(rows_of(logits, g).argmax(-1))),
+        (s, plain(rows_of(logits, s), temperature[s])),
+        (f, filtered(rows_of(logits, f), temperature[f], top_k[f], top_p[f])),
     ]
     return verify(groups, drafts, draft_probs, noise)
 
 
-def _rows_of(logits: Tensor, requests: Tensor) -> Tensor:
+def rows_of(logits: Tensor, requests: Tensor) -> Tensor:
     """logits[requests], without the copy when a batch's requests are all of one kind (`requests`
     comes from nonzero: ascending, so all of them is 0..B-1)."""
     return logits if len(requests) == len(logits) else logits[requests]
@@ -137,13 +137,13 @@ def _draft_row(draft_probs: Tensor, requests: Tensor, a: Tensor) -> Tensor:
     return torch.where((a < k)[:, None], q, 0.0)
 
 
-def _softmax_rows(logits: Tensor, temperature: Tensor) -> Probs:
+def softmax_rows(logits: Tensor, temperature: Tensor) -> Probs:
     """processed_probs without top-k/top-p: its final renormalization is kept, for equal rounding."""
     probs = torch.softmax(logits / temperature[:, None, None], dim=-1)
     return Probs(probs / probs.sum(-1, keepdim=True))
 
 
-def _filtered_rows(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Probs:
+def filtered_rows(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Probs:
     """processed_probs for rows with top-k or top-p, sorting only the tokens that can be kept.
 
     One pass sorts each row's mass into buckets by probability (a factor of sqrt(2) apart, relative
@@ -169,7 +169,7 @@ def _candidate_threshold(probs: Tensor, k: Tensor, p: Tensor) -> Tensor:
     steps = (probs / top).log2_().mul_(-2).clamp_(max=BUCKETS - 1).long()
     mass = torch.zeros(len(probs), BUCKETS).scatter_add_(1, steps, probs).cumsum(-1)
     need = torch.where(p < 1, (mass < p * mass[:, -1:]).sum(-1, keepdim=True), 0)
-    limits_k = _limits_k(k, probs.shape[-1])
+    limits_k = cuts_top_k(k, probs.shape[-1])
     if limits_k.any():  # top-p is relative to the top-k mass, so with top-k the top k tokens are all it needs
         count = torch.zeros(len(probs), BUCKETS).scatter_add_(1, steps, torch.ones_like(probs)).cumsum(-1)
         need = torch.where(limits_k, (count < k).sum(-1, keepdim=True), need)
@@ -187,7 +187,7 @@ def _filter_candidates(probs: Tensor, k: Tensor, p: Tensor, threshold: Tensor) -
     values, order = values.sort(dim=-1, descending=True, stable=True)
     ids, values = ids.gather(-1, order), values.clamp_min(0)
     rank = torch.arange(values.shape[-1])
-    limits_k = _limits_k(k, vocab)
+    limits_k = cuts_top_k(k, vocab)
     values = values * ((rank < k) | ~limits_k)
     cumulative = values.cumsum(-1)
     # `probs` is spent from here on: its memory takes the tail, then the result.
@@ -201,7 +201,7 @@ def _filter_candidates(probs: Tensor, k: Tensor, p: Tensor, threshold: Tensor) -
     return filtered.div_(filtered.sum(-1, keepdim=True)), unsure.squeeze(1)
 
 
-def _limits_k(k: Tensor, vocab: int) -> Tensor:
+def cuts_top_k(k: Tensor, vocab: int) -> Tensor:
     return (k > 0) & (k < vocab)
 
 

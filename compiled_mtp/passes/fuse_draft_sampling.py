@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import operator
 import re
 
 import torch
@@ -23,7 +22,7 @@ from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from .fuse_verify_sampling import PROBE_ROWS, probe_logits, probe_params
-from .fx_nodes import boundary, connected_parts, in_graph_order, standalone, traced_region
+from .fx_nodes import boundary, call_in_place_of, connected_parts, device_types, standalone, traced_region
 from .kernels import draft_sample as op_module
 
 log = logging.getLogger("compiled_mtp.passes")
@@ -36,7 +35,7 @@ class FuseDraftSampling(CustomGraphPass):
     def __call__(self, graph: fx.Graph) -> None:
         for region in connected_parts(traced_region(graph, _FRAME)):
             inputs, outputs = boundary(graph, region)
-            devices = {n.meta["val"].device.type for n in inputs if isinstance(n.meta.get("val"), torch.Tensor)}
+            devices = device_types(inputs)
             if devices != {"cpu"}:
                 log.info("fuse_draft_sampling: the draft sampling stays unfused on %s", "/".join(sorted(devices)))
                 continue
@@ -44,7 +43,8 @@ class FuseDraftSampling(CustomGraphPass):
             if isinstance(roles, str):
                 log.warning("fuse_draft_sampling: left unfused: %s", roles)
                 continue
-            _replace(graph, *roles)
+            args, tokens, q = roles
+            call_in_place_of(graph, FUSED, args, [tokens, q])
         graph.eliminate_dead_code()
 
     def uuid(self) -> str:
@@ -88,14 +88,3 @@ def _agreement(module: fx.GraphModule, args: list[fx.Node], inputs: list[fx.Node
         total += batch
     return same / total
 
-
-def _replace(graph: fx.Graph, args: list[fx.Node], tokens: fx.Node, q: fx.Node) -> None:
-    with graph.inserting_after(in_graph_order(args, graph)[-1]):
-        fused = graph.call_function(FUSED, tuple(args))
-    with graph.inserting_after(fused):
-        new_q = graph.call_function(operator.getitem, (fused, 1))
-        new_tokens = graph.call_function(operator.getitem, (fused, 0))
-    fused.meta["val"] = (tokens.meta["val"], q.meta["val"])
-    new_tokens.meta["val"], new_q.meta["val"] = tokens.meta["val"], q.meta["val"]
-    tokens.replace_all_uses_with(new_tokens)
-    q.replace_all_uses_with(new_q)

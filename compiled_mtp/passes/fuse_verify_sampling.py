@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import operator
 import re
 
 import torch
@@ -26,7 +25,7 @@ from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch._inductor.pattern_matcher import stable_topological_sort
 
-from .fx_nodes import boundary, in_graph_order, standalone, traced_region
+from .fx_nodes import boundary, call_in_place_of, device_types, standalone, traced_region
 from .kernels import verify_sample as op_module
 from .kernels import verify_sample_triton as triton_kernel  # registers the CUDA kernel where Triton is installed
 
@@ -48,7 +47,7 @@ class FuseVerifySampling(CustomGraphPass):
         if not region:
             return
         inputs, outputs = boundary(graph, region)
-        devices = {n.meta["val"].device.type for n in inputs if isinstance(n.meta.get("val"), torch.Tensor)}
+        devices = device_types(inputs)
         if devices != {"cpu"} and not (devices == {"cuda"} and FUSE_ON_CUDA and triton_kernel.available()):
             log.info("fuse_verify_sampling: the sampling subgraph stays unfused on %s", "/".join(sorted(devices)))
             return
@@ -152,15 +151,8 @@ def _probe_inputs(args: list[fx.Node], probe: int, gen: torch.Generator) -> list
     return [v.to(logits_val.device) for v in values]  # on the graph's device: that device's kernel is what runs
 
 
+
 def _replace(graph: fx.Graph, args: list[fx.Node], accepted: fx.Node, tokens: fx.Node) -> None:
-    with graph.inserting_after(in_graph_order(args, graph)[-1]):
-        fused = graph.call_function(FUSED, tuple(args))
-    with graph.inserting_after(fused):
-        new_tokens = graph.call_function(operator.getitem, (fused, 1))
-        new_accepted = graph.call_function(operator.getitem, (fused, 0))
-    fused.meta["val"] = (accepted.meta["val"], tokens.meta["val"])
-    new_accepted.meta["val"], new_tokens.meta["val"] = accepted.meta["val"], tokens.meta["val"]
-    accepted.replace_all_uses_with(new_accepted)
-    tokens.replace_all_uses_with(new_tokens)
+    call_in_place_of(graph, FUSED, args, [accepted, tokens])
     graph.eliminate_dead_code()
     stable_topological_sort(graph)  # users of `accepted` may precede the last input

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -67,6 +68,23 @@ def boundary(graph: fx.Graph, region: set[fx.Node]) -> tuple[list[fx.Node], list
     inputs = {a for n in region for a in n.all_input_nodes if a not in region}
     outputs = {n for n in region if any(u not in region for u in n.users)}
     return in_graph_order(inputs, graph), in_graph_order(outputs, graph)
+
+
+def call_in_place_of(graph: fx.Graph, target: Callable, args: list[fx.Node], outputs: list[fx.Node]) -> None:
+    """Call `target(*args)` after the last of `args`; its results' items take the uses of `outputs`."""
+    with graph.inserting_after(in_graph_order(args, graph)[-1]):
+        fused = graph.call_function(target, tuple(args))
+    fused.meta["val"] = tuple(n.meta["val"] for n in outputs)
+    with graph.inserting_after(fused):
+        items = [graph.call_function(operator.getitem, (fused, i)) for i in range(len(outputs))]
+    for item, old in zip(items, outputs):
+        item.meta["val"] = old.meta["val"]
+        old.replace_all_uses_with(item)
+
+
+def device_types(nodes: Iterable[fx.Node]) -> set[str]:
+    """The device types of the tensors `nodes` produce."""
+    return {n.meta["val"].device.type for n in nodes if isinstance(n.meta.get("val"), torch.Tensor)}
 
 
 def standalone(inputs: list[fx.Node], outputs: list[fx.Node]) -> fx.GraphModule:

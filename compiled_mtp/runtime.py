@@ -156,10 +156,9 @@ class Runtime:
 
         Options: `mtp_depths` (extra depths to allow switching to), `compile_backend` ("inductor",
         "aot_eager" or "eager"), `passes` (names of the custom FX passes to run, of
-        fuse_verify_sampling, group_experts, narrow_linear, packed_linear, fold_key_constants;
-        None = all, () = none), `prefill_chunk`, `seed` (for requests without one). `cache_dir` is a
-        capture cache (CPU only): graphs are loaded from it, and those it lacks are built once and
-        stored there."""
+        `passes.manager.available()`; None = all, () = none), `prefill_chunk`, `seed` (for requests
+        without one). `cache_dir` is a capture cache (CPU only): graphs are loaded from it, and those
+        it lacks are built once and stored there."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype: must be one of {', '.join(DTYPES)}, got {dtype!r}")
         depths = set(options.get("mtp_depths") or ()) | {mtp_depth}

@@ -70,7 +70,6 @@ def test_mixed_workload_after_warmup_triggers_no_recompile(noisy_echo):
     assert stats["recompiles"] == 0
 
 
-
 @pytest.mark.parametrize("change", ["width", "dtype"])
 def test_step_tensor_unlike_the_traced_one_fails_loudly(noisy_echo, change):
     """Graphs skip Dynamo's guards on the model's and the state's modules, which never change after
@@ -84,6 +83,7 @@ def test_step_tensor_unlike_the_traced_one_fails_loudly(noisy_echo, change):
     noise = torch.zeros(1, 3) if change == "width" else torch.zeros(1, 2, dtype=torch.float64)
     with pytest.raises(RuntimeError, match="recompile"):
         rt.graphs(key, slot, torch.zeros(1, dtype=torch.long), noise)
+
 
 def test_inductor_graphs_equal_the_reference(tmp_path, monkeypatch):
     """Real Inductor code with every custom pass, for every kind at K = 2, buckets 1 and 2 (a 1-layer

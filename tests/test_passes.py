@@ -113,7 +113,6 @@ def test_verify_sampling_becomes_one_fused_op(model, state, b, k):
     _assert_same(before, after, state, model, "target_verify", b, k, seeds=range(5))
 
 
-
 @pytest.mark.parametrize("kind,b,k,drafts", [("draft_extend", 1, 1, 1), ("draft_extend", 3, 2, 1), ("draft_decode", 2, 3, 2), ("draft_decode", 1, 2, 1)])
 def test_each_draft_sampling_becomes_one_fused_op(model, state, kind, b, k, drafts):
     """One op per draft the graph samples, no sort left; the same drafts, draft distributions and
@@ -137,6 +136,7 @@ def test_draft_sampling_that_disagrees_with_the_op_stays(model, state, monkeypat
         _, after = _graphs("draft_extend", 2, 1, model, state, ("fuse_draft_sampling",))
     assert _count(after, aten.sort.stable) == 1
     assert "fuse_draft_sampling: left unfused: the fused op reproduces 0%" in caplog.text
+
 
 @pytest.mark.parametrize("kind,b,k", [("prefill", 1, 0), ("draft_decode", 2, 3), ("target_verify", 2, 2), ("draft_extend", 2, 2)])
 def test_no_key_only_op_survives_the_passes(model, state, kind, b, k):

@@ -22,7 +22,7 @@ from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from .fuse_verify_sampling import PROBE_ROWS, probe_logits, probe_params
-from .fx_nodes import boundary, call_in_place_of, connected_parts, device_types, standalone, traced_region
+from .fx_nodes import boundary, call_in_place_of, connected_parts, device_types, signature, standalone, traced_region
 from .kernels import draft_sample as op_module
 
 log = logging.getLogger("compiled_mtp.passes")
@@ -53,15 +53,13 @@ class FuseDraftSampling(CustomGraphPass):
 
 def _roles(inputs: list[fx.Node], outputs: list[fx.Node]):
     """(the op's arguments in order, tokens, q) or why the region cannot be fused."""
-    vals = [n.meta.get("val") for n in inputs + outputs]
-    if len(inputs) != 5 or len(outputs) != 2 or not all(isinstance(v, torch.Tensor) for v in vals):
-        return f"the region has {len(inputs)} inputs and {len(outputs)} outputs, expected 5 and 2 tensors"
-    kind = {n: (n.meta["val"].dim(), n.meta["val"].dtype.is_floating_point) for n in inputs + outputs}
-    floats = [n for n in inputs if kind[n] == (1, True)]
-    (logits,), (top_k,) = [n for n in inputs if kind[n] == (2, True)] or [None], [n for n in inputs if kind[n] == (1, False)] or [None]
-    (tokens,), (q,) = [n for n in outputs if kind[n] == (1, False)] or [None], [n for n in outputs if kind[n] == (2, True)] or [None]
-    if len(floats) != 3 or None in (logits, top_k, tokens, q):
+    if not all(isinstance(n.meta.get("val"), torch.Tensor) for n in inputs + outputs):
+        return "a region input or output is not a tensor"
+    logits, floats, top_k = ([n for n in inputs if signature(n) == kind] for kind in ((2, True), (1, True), (1, False)))
+    tokens, q = ([n for n in outputs if signature(n) == kind] for kind in ((1, False), (2, True)))
+    if [len(nodes) for nodes in (logits, floats, top_k, tokens, q)] != [1, 3, 1, 1, 1] or len(inputs) != 5 or len(outputs) != 2:
         return "its inputs and outputs do not have the shapes of (logits, temperature, top_k, top_p, u) -> (tokens, q)"
+    (logits,), (top_k,), (tokens,), (q,) = logits, top_k, tokens, q
     candidates = [[logits, t, top_k, p, u] for t, p, u in itertools.permutations(floats)]
     try:
         module = standalone(inputs, [tokens, q])

@@ -25,7 +25,7 @@ from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch._inductor.pattern_matcher import stable_topological_sort
 
-from .fx_nodes import boundary, call_in_place_of, device_types, standalone, traced_region
+from .fx_nodes import boundary, call_in_place_of, device_types, signature, standalone, traced_region
 from .kernels import verify_sample as op_module
 from .kernels import verify_sample_triton as triton_kernel  # registers the CUDA kernel where Triton is installed
 
@@ -62,11 +62,6 @@ class FuseVerifySampling(CustomGraphPass):
         return get_hash_for_files((__file__, op_module.__file__, triton_kernel.__file__), str(FUSE_ON_CUDA)).hex()
 
 
-def _signature(node: fx.Node) -> tuple[int, bool]:
-    val = node.meta["val"]
-    return val.dim(), val.dtype.is_floating_point
-
-
 def _roles(inputs: list[fx.Node], outputs: list[fx.Node]):
     """(the op's arguments in order, (num_accepted, tokens)) or why the region cannot be fused."""
     if len(inputs) != 7 or len(outputs) != 2:
@@ -75,7 +70,7 @@ def _roles(inputs: list[fx.Node], outputs: list[fx.Node]):
         return "a region input or output is not a tensor"
     by_kind: dict[tuple[int, bool], list[fx.Node]] = {}
     for node in inputs:
-        by_kind.setdefault(_signature(node), []).append(node)
+        by_kind.setdefault(signature(node), []).append(node)
     three_d = sorted(by_kind.get((3, True), []), key=lambda n: -n.meta["val"].shape[1])  # logits have K+1 rows
     if [len(by_kind.get(kind, [])) for kind in ((3, True), (1, True), (1, False), (2, False), (2, True))] != [2, 2, 1, 1, 1]:
         return "its inputs do not have the shapes of (logits, temperature, top_k, top_p, drafts, draft_probs, noise)"
@@ -149,7 +144,6 @@ def _probe_inputs(args: list[fx.Node], probe: int, gen: torch.Generator) -> list
     noise = torch.rand(batch, rows, generator=gen)
     values = [logits, temperature, top_k, top_p, drafts.to(drafts_val.dtype), q.to(probs_val.dtype), noise.to(noise_val.dtype)]
     return [v.to(logits_val.device) for v in values]  # on the graph's device: that device's kernel is what runs
-
 
 
 def _replace(graph: fx.Graph, args: list[fx.Node], accepted: fx.Node, tokens: fx.Node) -> None:

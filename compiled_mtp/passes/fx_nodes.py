@@ -82,6 +82,12 @@ def call_in_place_of(graph: fx.Graph, target: Callable, args: list[fx.Node], out
         old.replace_all_uses_with(item)
 
 
+def signature(node: fx.Node) -> tuple[int, bool]:
+    """(dimensions, whether floating point) of the tensor `node` produces."""
+    val = node.meta["val"]
+    return val.dim(), val.dtype.is_floating_point
+
+
 def device_types(nodes: Iterable[fx.Node]) -> set[str]:
     """The device types of the tensors `nodes` produce."""
     return {n.meta["val"].device.type for n in nodes if isinstance(n.meta.get("val"), torch.Tensor)}

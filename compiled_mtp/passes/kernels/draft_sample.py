@@ -17,16 +17,14 @@ import torch
 from torch import Tensor
 
 from ...graphs.sampling import sample_from_probs
-from .verify_sample import cuts_top_k, filtered_rows, rows_of, softmax_rows
+from .verify_sample import filtered_rows, request_kinds, rows_of, softmax_rows
 
 
 @torch.library.custom_op("compiled_mtp::draft_sample", mutates_args=(), device_types="cpu")
 def draft_sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
     """Arguments and results as `graphs.sampling.draft_sample`: (tokens [B], q float32 [B, V])."""
     logits = logits.float()
-    greedy = temperature <= 0
-    plain = ~greedy & ~cuts_top_k(top_k, logits.shape[-1]) & (top_p >= 1)
-    g, s, f = (mask.nonzero().squeeze(1) for mask in (greedy, plain, ~greedy & ~plain))
+    g, s, f = request_kinds(temperature, top_k, top_p, logits.shape[-1])
     tokens = torch.empty(len(logits), dtype=torch.long, device=logits.device)
     q = torch.empty_like(logits)
     top = rows_of(logits, g).argmax(-1)

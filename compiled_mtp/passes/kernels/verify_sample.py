@@ -59,15 +59,22 @@ def verify_by_kind(
     (`plain(logits, temperature)`) and of those with top-k or top-p (`filtered(logits, t, k, p)`);
     greedy requests take an argmax."""
     logits = logits.float()
-    greedy = temperature <= 0
-    plain_mask = ~greedy & ~cuts_top_k(top_k, logits.shape[-1]) & (top_p >= 1)
-    g, s, f = (mask.nonzero().squeeze(1) for mask in (greedy, plain_mask, ~greedy & ~plain_mask))
+    g, s, f = request_kinds(temperature, top_k, top_p, logits.shape[-1])
     groups = [
         (g, Argmax(rows_of(logits, g).argmax(-1))),
         (s, plain(rows_of(logits, s), temperature[s])),
         (f, filtered(rows_of(logits, f), temperature[f], top_k[f], top_p[f])),
     ]
     return verify(groups, drafts, draft_probs, noise)
+
+
+def request_kinds(temperature: Tensor, top_k: Tensor, top_p: Tensor, vocab: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The indices of the greedy requests, of those sampled at a temperature alone, and of those with
+    top-k or top-p: each kind takes its own path."""
+    greedy = temperature <= 0
+    plain = ~greedy & ~_limits_k(top_k, vocab) & (top_p >= 1)
+    g, s, f = (mask.nonzero().squeeze(1) for mask in (greedy, plain, ~greedy & ~plain))
+    return g, s, f
 
 
 def rows_of(logits: Tensor, requests: Tensor) -> Tensor:
@@ -169,7 +176,7 @@ def _candidate_threshold(probs: Tensor, k: Tensor, p: Tensor) -> Tensor:
     steps = (probs / top).log2_().mul_(-2).clamp_(max=BUCKETS - 1).long()
     mass = torch.zeros(len(probs), BUCKETS).scatter_add_(1, steps, probs).cumsum(-1)
     need = torch.where(p < 1, (mass < p * mass[:, -1:]).sum(-1, keepdim=True), 0)
-    limits_k = cuts_top_k(k, probs.shape[-1])
+    limits_k = _limits_k(k, probs.shape[-1])
     if limits_k.any():  # top-p is relative to the top-k mass, so with top-k the top k tokens are all it needs
         count = torch.zeros(len(probs), BUCKETS).scatter_add_(1, steps, torch.ones_like(probs)).cumsum(-1)
         need = torch.where(limits_k, (count < k).sum(-1, keepdim=True), need)
@@ -187,7 +194,7 @@ def _filter_candidates(probs: Tensor, k: Tensor, p: Tensor, threshold: Tensor) -
     values, order = values.sort(dim=-1, descending=True, stable=True)
     ids, values = ids.gather(-1, order), values.clamp_min(0)
     rank = torch.arange(values.shape[-1])
-    limits_k = cuts_top_k(k, vocab)
+    limits_k = _limits_k(k, vocab)
     values = values * ((rank < k) | ~limits_k)
     cumulative = values.cumsum(-1)
     # `probs` is spent from here on: its memory takes the tail, then the result.
@@ -201,7 +208,7 @@ def _filter_candidates(probs: Tensor, k: Tensor, p: Tensor, threshold: Tensor) -
     return filtered.div_(filtered.sum(-1, keepdim=True)), unsure.squeeze(1)
 
 
-def cuts_top_k(k: Tensor, vocab: int) -> Tensor:
+def _limits_k(k: Tensor, vocab: int) -> Tensor:
     return (k > 0) & (k < vocab)
 
 

@@ -6,8 +6,13 @@ without code generation, so it covers every key quickly; the Inductor test compi
 
 from __future__ import annotations
 
+import math
+import re
+from unittest import mock
+
 import pytest
 import torch
+from torch._inductor.graph import GraphLowering
 
 from compiled_mtp import Runtime, SamplingParams
 from compiled_mtp.models.checkpoint import load_model
@@ -86,18 +91,22 @@ def test_step_tensor_unlike_the_traced_one_fails_loudly(noisy_echo, change):
 
 
 def test_inductor_graphs_equal_the_reference(tmp_path, monkeypatch):
-    """Real Inductor code with every custom pass, for every kind at K = 2, buckets 1 and 2 (a 1-layer
-    model keeps compile short): greedy output equals the reference, sampled output the eager steps.
+    """Real Inductor code with every custom pass, for every kind at K = 2, buckets 1 and 2 (a 2-layer
+    model keeps compile short): greedy output equals the reference, sampled output the eager steps,
+    and no graph copies a cache.
     Linears on 2-4 rows go through the few-row kernel, those on 1 row become Inductor's
     multiply-and-sum (narrow_linear) and every other one goes through the packed-weight op, although
     this model's weights are below the sizes where those pay."""
     monkeypatch.setattr(packed_linear, "MIN_WEIGHT", 0)
     monkeypatch.setattr(narrow_linear, "KERNEL_WEIGHT", 0)
-    model = load_model(write_echo_checkpoint(tmp_path, mtp_noise=0.3, attn_scale=0.5, seed=4))
+    model = load_model(write_echo_checkpoint(tmp_path, mtp_noise=0.3, attn_scale=0.5, seed=4, num_layers=2))
     rt = Runtime(model, mtp_depth=2, batch_sizes=(1, 2), max_seq_len=48, compile_backend="inductor", prefill_chunk=8)
     prompts = _prompts(3, seed=5)
-    outs = rt.generate(prompts, PARAMS)
+    codes: list[str] = []
+    with mock.patch.object(GraphLowering, "save_output_code", codes.append):  # also called on a cache hit
+        outs = rt.generate(prompts, PARAMS)
     assert [o.token_ids for o in outs] == _expected(model, prompts)
+    _assert_state_written_in_place(rt, codes)
     sampled = [
         SamplingParams(max_new_tokens=10, temperature=t, top_k=tk, top_p=tp, seed=s, ignore_eos=True)
         for t, tk, tp, s in [(0.8, 0, 1.0, 1), (1.0, 5, 1.0, 2), (1.2, 0, 0.9, 3)]
@@ -106,3 +115,15 @@ def test_inductor_graphs_equal_the_reference(tmp_path, monkeypatch):
     assert [o.token_ids for o in rt.generate(prompts, sampled)] == [o.token_ids for o in eager.generate(prompts, sampled)]
     stats = rt.stats()
     assert stats["compiles"] == 1 + 2 * 3 and stats["recompiles"] == 0
+
+
+def _assert_state_written_in_place(rt: Runtime, codes: list[str]) -> None:
+    """No graph allocates a buffer as large as a cache or one layer of it: each writes its rows in place, so a step costs
+    what its rows read, not a copy of every slot's cache (Inductor copied the cache whole, and back,
+    where a graph wrote it through a view)."""
+    caches = {size for cache in (rt.state.target_cache, rt.state.mtp_cache) for size in (cache.numel(), cache[0].numel())}
+    assert len(codes) == 1 + 2 * 3  # every graph's code, compiled or loaded
+    for code in codes:
+        shapes = [tuple(map(int, re.findall(r"\d+", dims))) for dims in re.findall(r"empty_strided_\w+\(\(([\d, ]*)\)", code)]
+        assert shapes, "no allocations found: has the generated code changed form?"
+        assert not [s for s in shapes if math.prod(s) in caches]

@@ -115,7 +115,7 @@ class MLA(nn.Module):
         self.kv_b_proj = Linear(cfg.kv_lora_rank, nh * (cfg.qk_nope_head_dim + cfg.v_head_dim))
         self.o_proj = Linear(nh * cfg.v_head_dim, h, cfg.attention_bias)
 
-    def forward(self, x: Tensor, ctx: "Context", cache: Tensor) -> Tensor:
+    def forward(self, x: Tensor, ctx: "Context", layer: int) -> Tensor:
         cfg = self.cfg
         b, t, _ = x.shape
         nh, dn, dr, dv, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
@@ -124,9 +124,7 @@ class MLA(nn.Module):
         q_pe = ctx.rope(q_pe, ctx.cos[:, :, None], ctx.sin[:, :, None])
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([r, dr], dim=-1)
         entry = torch.cat([self.kv_a_layernorm(latent), ctx.rope(k_pe, ctx.cos, ctx.sin)], dim=-1)
-        cache.view(-1, cfg.cache_dim).index_copy_(0, ctx.write_index.reshape(-1), entry.reshape(-1, cfg.cache_dim))
-
-        kv = cache[ctx.slots]  # [B, S, r + dr]
+        kv = ctx.store_and_read(layer, entry)  # [B, S, r + dr]
         kv_latent, kv_pe = kv.split([r, dr], dim=-1)
         w = self.kv_b_proj.weight.view(nh, dn + dv, r)
         q_latent = torch.einsum("bthd,hdr->bthr", q_nope, w[:, :dn])
@@ -249,8 +247,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: Tensor, ctx: "Context", cache: Tensor) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx, cache)
+    def forward(self, x: Tensor, ctx: "Context", layer: int) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -272,22 +270,38 @@ class MTPLayer(DecoderLayer):
         self.eh_proj = Linear(2 * cfg.hidden_size, cfg.hidden_size)
         self.shared_head = SharedHead(cfg)
 
-    def forward(self, embeds: Tensor, hidden: Tensor, ctx: "Context", cache: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(self, embeds: Tensor, hidden: Tensor, ctx: "Context", layer: int) -> Tensor:  # type: ignore[override]
         x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
-        return self.shared_head.norm(super().forward(x, ctx, cache))
+        return self.shared_head.norm(super().forward(x, ctx, layer))
 
 
 class Context:
-    """What every layer of one forward shares: rope tables, write indices, slots and the visibility mask."""
+    """What every layer of one forward shares: the cache, rope tables, write indices, slots and the
+    visibility mask."""
 
-    def __init__(self, rope: Rope, positions: Tensor, write_index: Tensor, slots: Tensor, seq_capacity: int, dtype: torch.dtype) -> None:
+    def __init__(self, rope: Rope, positions: Tensor, write_index: Tensor, slots: Tensor, cache: Tensor, dtype: torch.dtype) -> None:
         self.rope = rope
         self.cos, self.sin = rope.cos_sin(positions, dtype)
         self.write_index = write_index
         self.slots = slots
+        self.cache = cache
         # Row (b, t) sees cache entries 0..positions[b, t] of its slot: the causal mask inside a block
         # falls out of the positions, since a block's rows are written before they are read.
-        self.visible = torch.arange(seq_capacity, device=positions.device) <= positions[..., None]
+        self.visible = torch.arange(cache.shape[2], device=positions.device) <= positions[..., None]
+
+    def store_and_read(self, layer: int, entry: Tensor) -> Tensor:
+        """Writes the rows' entries [B, T, D] to the cache of `layer`, then returns that layer's
+        entries for the rows' slots [B, S, D].
+
+        The write indexes the whole cache, not a view of it: Inductor writes a graph input in place
+        only where the first of its writes is to the input itself. Written through `cache[layer]` (or a
+        flat view), a compiled graph copied the whole cache, every layer, slot and position, and back
+        on every call."""
+        capacity = self.cache.shape[2]
+        # One layer index per row, not a 0-dim one: Inductor wrote a folded 0-dim index to every layer.
+        layers = torch.full_like(self.write_index, layer)
+        self.cache.index_put_((layers, self.write_index // capacity, self.write_index % capacity), entry)
+        return self.cache[layer][self.slots]
 
 
 class Backbone(nn.Module):
@@ -320,7 +334,7 @@ class DeepseekV3(nn.Module):
         return torch.zeros(num_layers, num_slots, max_seq_len, self.cfg.cache_dim, dtype=p.dtype, device=p.device)
 
     def context(self, positions: Tensor, write_index: Tensor, slots: Tensor, cache: Tensor) -> Context:
-        return Context(self.rope, positions, write_index, slots, cache.shape[2], self.lm_head.weight.dtype)
+        return Context(self.rope, positions, write_index, slots, cache, self.lm_head.weight.dtype)
 
     def forward_target(self, tokens: Tensor, positions: Tensor, write_index: Tensor, slots: Tensor, cache: Tensor) -> Tensor:
         """T over a [B, T] block. Returns post-final-norm hiddens [B, T, H] and writes each row's latent
@@ -328,7 +342,7 @@ class DeepseekV3(nn.Module):
         ctx = self.context(positions, write_index, slots, cache)
         x = self.model.embed_tokens(tokens)
         for i in range(self.cfg.num_hidden_layers):
-            x = self.model.layers[i](x, ctx, cache[i])
+            x = self.model.layers[i](x, ctx, i)
         return self.model.norm(x)
 
     def forward_mtp(self, layer: int, tokens: Tensor, hidden: Tensor, positions: Tensor, write_index: Tensor, slots: Tensor, cache: Tensor) -> Tensor:
@@ -336,7 +350,7 @@ class DeepseekV3(nn.Module):
         from positions. Returns its post-shared_head.norm hiddens; `cache` is the MTP cache."""
         ctx = self.context(positions, write_index, slots, cache)
         mtp = self.model.layers[self.cfg.num_hidden_layers + layer]
-        return mtp(self.model.embed_tokens(tokens), hidden, ctx, cache[layer])
+        return mtp(self.model.embed_tokens(tokens), hidden, ctx, layer)
 
     def logits(self, hidden: Tensor) -> Tensor:
         return self.lm_head(hidden).float()

@@ -22,7 +22,7 @@ from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from .fuse_verify_sampling import PROBE_ROWS, probe_logits, probe_params
-from .fx_nodes import boundary, call_in_place_of, connected_parts, device_types, signature, standalone, traced_region
+from .fx_nodes import call_in_place_of, device_types, signature, standalone, traced_calls
 from .kernels import draft_sample as op_module
 
 log = logging.getLogger("compiled_mtp.passes")
@@ -33,8 +33,7 @@ _FRAME = re.compile(r'graphs[/\\]sampling\.py", line \d+, in draft_sample\n')
 
 class FuseDraftSampling(CustomGraphPass):
     def __call__(self, graph: fx.Graph) -> None:
-        for region in connected_parts(traced_region(graph, _FRAME)):
-            inputs, outputs = boundary(graph, region)
+        for _, inputs, outputs in traced_calls(graph, _FRAME):
             devices = device_types(inputs)
             if devices != {"cpu"}:
                 log.info("fuse_draft_sampling: the draft sampling stays unfused on %s", "/".join(sorted(devices)))

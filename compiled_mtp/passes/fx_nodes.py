@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import operator
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +61,13 @@ def connected_parts(region: set[fx.Node]) -> list[set[fx.Node]]:
         seen |= part
         parts.append(part)
     return parts
+
+
+def traced_calls(graph: fx.Graph, frame: re.Pattern) -> Iterator[tuple[set[fx.Node], list[fx.Node], list[fx.Node]]]:
+    """Each call of a traced function (one connected part of its region): (its nodes, the external
+    nodes they read, those of its nodes read outside it)."""
+    for region in connected_parts(traced_region(graph, frame)):
+        yield region, *boundary(graph, region)
 
 
 def boundary(graph: fx.Graph, region: set[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:

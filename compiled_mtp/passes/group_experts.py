@@ -28,7 +28,7 @@ from torch import fx, nn
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from ..models.deepseek_v3 import Experts
-from .fx_nodes import boundary, call, connected_parts, in_graph_order, on_cpu_float32, standalone, traced_region
+from .fx_nodes import call, in_graph_order, on_cpu_float32, standalone, traced_calls
 from .kernels import routed_experts as op_module
 
 log = logging.getLogger("compiled_mtp.passes")
@@ -39,8 +39,7 @@ _FRAME = re.compile(r'models[/\\]deepseek_v3\.py", line \d+, in gathered_experts
 
 class GroupExperts(CustomGraphPass):
     def __call__(self, graph: fx.Graph) -> None:
-        for region in connected_parts(traced_region(graph, _FRAME)):
-            inputs, outputs = boundary(graph, region)
+        for _, inputs, outputs in traced_calls(graph, _FRAME):
             if _rows(outputs) < MIN_ROWS:
                 continue
             args = _roles(inputs, outputs)

@@ -20,7 +20,9 @@
    rows read), the weight bytes each of the two reads, as routed (each layer's chosen experts once:
    the floor of their ratio, and what the group_experts pass reads) and as gathered (each row's
    experts once per row: the model's own products, without that pass), and
-   the LM head alone at 4 rows against 1 (compiled by Inductor without and with the passes).
+   the LM head alone at 4 rows against 1 (compiled by Inductor without and with the passes), and
+   target_verify at K=3, B = 1 and 8, in a cache of 2048 positions (the Runtime's default
+   max_seq_len) with all passes against all but live_attention, and in one as long as the rows need.
 Results are printed and written to benchmarks/passes-<device>.json.
 """
 
@@ -50,12 +52,13 @@ from compiled_mtp.graphs.sampling import verify_sample  # noqa: E402
 from compiled_mtp.models.checkpoint import load_model  # noqa: E402
 from compiled_mtp.models.deepseek_v3 import Experts, Router  # noqa: E402
 from compiled_mtp.models.synthetic import preset_config, write_random_checkpoint  # noqa: E402
-from compiled_mtp.passes.manager import available, inductor_options  # noqa: E402
+from compiled_mtp.passes.manager import available, inductor_options, without  # noqa: E402
 from compiled_mtp.runtime import DTYPES, SamplingParams  # noqa: E402
 
 VOCAB = 129280
 SETTINGS = {"greedy": (0.0, 1.0), "T=1": (1.0, 1.0), "T=1 top-p 0.9": (1.0, 0.9)}
 SIMULATED_RATE = 0.8
+CAPACITY = 2048  # Runtime's default max_seq_len
 
 
 def seconds(fn: Callable[[], object]) -> float:
@@ -120,7 +123,7 @@ def bench_e2e(args: argparse.Namespace) -> dict:
         verify = {}
         for k in args.depths:
             start = time.perf_counter()
-            rt = Runtime(model, mtp_depth=k, batch_sizes=(1,), max_seq_len=args.prompt_len + args.new_tokens + 8, prefill_chunk=args.prompt_len, passes=passes)
+            rt = Runtime(model, mtp_depth=k, batch_sizes=(1,), max_seq_len=short_capacity(args), prefill_chunk=args.prompt_len, passes=passes)
             _generate(rt, [prompt], sampling)  # compiles
             compile_s = time.perf_counter() - start
             timings = [_generate(rt, [prompt], sampling) for _ in range(args.runs)]
@@ -141,6 +144,12 @@ def bench_e2e(args: argparse.Namespace) -> dict:
                 print(f"  passes {label}: target_verify 4 rows {v[3]:.1f} ms vs 1 row {v[0]:.1f} ms: {v[3] / v[0]:.2f}x", flush=True)
         h = result["lm_head_ms"][name] = lm_head_ms(model, passes, args.runs * 3)
         print(f"  passes {name}: the LM head alone, 4 rows {h[4]:.1f} ms vs 1 row {h[1]:.1f} ms: {h[4] / h[1]:.2f}x", flush=True)
+    cap = result["capacity_verify_ms"] = capacity_ms(model, args)
+    for batch, ms in cap.items():
+        print(
+            f"  target_verify K=3 B={batch}, max_seq_len {CAPACITY}: attention traced {ms['traced']:.1f} ms, live_attention {ms['live']:.1f} ms:"
+            f" {ms['traced'] / ms['live']:.2f}x (max_seq_len {short_capacity(args)}: {ms['short']:.1f} ms)", flush=True,
+        )
     mb, ms = result["verify_weight_mb"], result["verify_ms"].get("on", {})
     for how in ("routed", "gathered") if set(mb) >= {0, 3} else ():
         speed = f" (with passes: {mb[3][how] / ms[3]:.0f} / {mb[0][how] / ms[0]:.0f} GB/s)" if set(ms) >= {0, 3} else ""
@@ -148,29 +157,47 @@ def bench_e2e(args: argparse.Namespace) -> dict:
     return result
 
 
-def verify_inputs(k: int, args: argparse.Namespace) -> tuple[torch.Tensor, ...]:
-    """target_verify's step tensors at depth k for the one request in slot 0, with the step's
-    uniforms as Runtime._decode lays them out (K - 1 draft, K + 1 verify, 1 extend)."""
+def verify_inputs(k: int, args: argparse.Namespace, batch: int = 1) -> tuple[torch.Tensor, ...]:
+    """target_verify's step tensors at depth k for requests in slots 0..batch-1, each prompt_len long,
+    with the step's uniforms as Runtime._decode lays them out (K - 1 draft, K + 1 verify, 1 extend)."""
     decode_w = max(k - 1, 0)
-    noise = torch.zeros(1, decode_w + k + 1 + (k > 0), device=args.device)[:, decode_w : decode_w + k + 1]
-    return torch.tensor([0], device=args.device), torch.tensor([args.prompt_len], device=args.device), noise
+    noise = torch.zeros(batch, decode_w + k + 1 + (k > 0), device=args.device)[:, decode_w : decode_w + k + 1]
+    return torch.arange(batch, device=args.device), torch.full((batch,), args.prompt_len, device=args.device), noise
 
 
-def verify_call(rt: Runtime, k: int, args: argparse.Namespace) -> Callable[[], object]:
+def verify_call(rt: Runtime, k: int, args: argparse.Namespace, batch: int = 1) -> Callable[[], object]:
     """One target_verify call at depth k."""
-    inputs = verify_inputs(k, args)
-    return lambda: rt.graphs(("target_verify", 1, k), *inputs)
+    inputs = verify_inputs(k, args, batch)
+    return lambda: rt.graphs(("target_verify", batch, k), *inputs)
 
 
-def paired_best_ms(calls: dict[int, Callable[[], object]], runs: int) -> dict[int, float]:
+def paired_best_ms(calls: dict[object, Callable[[], object]], runs: int) -> dict[object, float]:
     """Best time of each call, taking turns, so that both see the same state of a shared machine."""
     for call in calls.values():
         call()
-    times: dict[int, list[float]] = {key: [] for key in calls}
+    times: dict[object, list[float]] = {key: [] for key in calls}
     for _ in range(runs):
         for key, call in calls.items():
             times[key].append(seconds(call))
     return {key: 1e3 * min(t) for key, t in times.items()}
+
+
+def short_capacity(args: argparse.Namespace) -> int:
+    """The e2e runs' max_seq_len: what their rows need."""
+    return args.prompt_len + args.new_tokens + 8
+
+
+def capacity_ms(model: torch.nn.Module, args: argparse.Namespace) -> dict[int, dict[str, float]]:
+    """target_verify at K=3, B = 1 and 8, timed in turns: in a cache of the Runtime's default
+    max_seq_len with all passes ("live") and with all but live_attention ("traced"), and in one of the
+    e2e runs' length ("short", all passes)."""
+    calls = {}
+    for batch in (1, 8):
+        for name, capacity, passes in (("short", short_capacity(args), available()), ("traced", CAPACITY, without(["live_attention"])), ("live", CAPACITY, available())):
+            rt = Runtime(model, mtp_depth=3, batch_sizes=(batch,), max_seq_len=capacity, prefill_chunk=args.prompt_len, passes=passes)
+            calls[batch, name] = verify_call(rt, 3, args, batch)
+    ms = paired_best_ms(calls, args.runs * 3)
+    return {batch: {name: ms[batch, name] for name in ("short", "traced", "live")} for batch in (1, 8)}
 
 
 def verify_weight_bytes(rt: Runtime, k: int, args: argparse.Namespace) -> dict[str, int]:

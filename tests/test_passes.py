@@ -15,18 +15,19 @@ from hypothesis import strategies as st
 from compiled_mtp.capture.compiler import example_inputs
 from compiled_mtp.graphs.state import StaticState
 from compiled_mtp.models.checkpoint import load_model
-from compiled_mtp.models.deepseek_v3 import Linear, gathered_experts
+from compiled_mtp.models.deepseek_v3 import Linear, gathered_experts, latent_attention
 from compiled_mtp.passes.kernels import few_row_linear, packed_linear, routed_experts
 from compiled_mtp.passes.fold_key_constants import PREFIX, key_only
 from compiled_mtp.passes.fuse_draft_sampling import FUSED as DRAFT_FUSED
 from compiled_mtp.passes.fuse_verify_sampling import FUSED
 from compiled_mtp.capture.post_grad import post_grad_graphs
 from compiled_mtp.passes.manager import PassManager, available, inductor_options
-from compiled_mtp.passes import group_experts, narrow_linear, packed_linear as packed_linear_pass
+from compiled_mtp.passes import group_experts, live_attention, narrow_linear, packed_linear as packed_linear_pass
 from compiled_mtp.passes.packed_linear import LINEAR
 
 FEW_ROWS = torch.ops.compiled_mtp.few_row_linear.default
 ROUTED_EXPERTS = torch.ops.compiled_mtp.routed_experts.default
+LIVE_ATTENTION = torch.ops.compiled_mtp.live_attention.default
 
 aten = torch.ops.aten
 ALL = available()
@@ -363,8 +364,63 @@ def test_graphs_build_the_experts_kernel_before_any_step(model, state):
     assert routed_experts.build.cache_info().misses == 1 and routed_experts.build() is not None
 
 
+def _cache_gathers(graph, capacity):
+    """Gathers of whole cache rows by slot: index nodes producing [B, capacity, D]."""
+    return [n for n in graph.graph.nodes if n.target is aten.index.Tensor and n.meta["val"].dim() == 3 and n.meta["val"].shape[1] == capacity]
+
+
+@pytest.mark.parametrize("kind,b,k,calls", [("target_verify", 2, 2, 2), ("draft_decode", 2, 3, 2), ("draft_extend", 1, 1, 1), ("prefill", 1, 0, 3)])
+def test_attention_reads_only_the_live_cache(model, state, kind, b, k, calls, monkeypatch):
+    """One op per attention call (each target layer, each MTP step), no gather of whole cache rows
+    left; the same outputs and state as without the pass, from caches filled with random entries
+    past every row's position."""
+    monkeypatch.setattr(live_attention, "MIN_MULTIPLY_ADDS", 0)
+    before, after = _graphs(kind, b, k, model, state, ("live_attention",))
+    assert _count(before, LIVE_ATTENTION) == 0 and len(_cache_gathers(before, state.max_seq_len)) == calls
+    assert _count(after, LIVE_ATTENTION) == calls and _cache_gathers(after, state.max_seq_len) == []
+    _assert_same(before, after, state, model, kind, b, k, exact=False)
+
+
+def test_small_attention_stays_traced(model, state, monkeypatch):
+    """Below MIN_MULTIPLY_ADDS the op's calls cost more than the traced attention: the tiny model's
+    verify at B=2, K=2 multiplies each of 6 rows x 4 heads by 32 positions of its cache."""
+    cfg = model.cfg
+    work = 2 * 3 * cfg.num_attention_heads * state.max_seq_len * (2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    for threshold, fused in ((work + 1, 0), (work, 2)):
+        monkeypatch.setattr(live_attention, "MIN_MULTIPLY_ADDS", threshold)
+        _, after = _graphs("target_verify", 2, 2, model, state, ("live_attention",))
+        assert _count(after, LIVE_ATTENTION) == fused
+
+
+def test_attention_the_op_does_not_reproduce_stays(model, state, monkeypatch, caplog):
+    monkeypatch.setattr(live_attention, "MIN_MULTIPLY_ADDS", 0)
+    monkeypatch.setattr(live_attention, "FUSED", lambda *args: LIVE_ATTENTION(*args) * 1.01)
+    with caplog.at_level("WARNING", logger="compiled_mtp.passes"):
+        _, after = _graphs("draft_extend", 1, 1, model, state, ("live_attention",))
+    assert _count(after, LIVE_ATTENTION) == 0 and len(_cache_gathers(after, state.max_seq_len)) == 1
+    assert "live_attention: left traced: the op agrees with the region under 0 assignments" in caplog.text
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(
+    batch=st.integers(1, 3), rows=st.integers(1, 4), capacity=st.integers(1, 40), heads=st.integers(1, 3),
+    slots=st.integers(3, 5), seed=st.integers(0, 2**16),
+)
+def test_live_attention_equals_attention_over_the_whole_cache(batch, rows, capacity, heads, slots, seed):
+    """The op reads only up to the last entry any row sees; entries past it, whatever they hold,
+    have no weight in the traced attention."""
+    gen = torch.Generator().manual_seed(seed)
+    q_latent, q_pe = torch.randn(batch, rows, heads, 8, generator=gen), torch.randn(batch, rows, heads, 4, generator=gen)
+    cache = 10 * torch.randn(slots, capacity, 12, generator=gen)
+    slot_ids = torch.randperm(slots, generator=gen)[:batch] if batch <= slots else torch.randint(0, slots, (batch,), generator=gen)
+    positions = torch.randint(0, capacity, (batch, rows), generator=gen)
+    visible = torch.arange(capacity) <= positions[..., None]
+    expected = latent_attention(q_latent, q_pe, cache[slot_ids], visible, 0.3)
+    torch.testing.assert_close(LIVE_ATTENTION(q_latent, q_pe, cache, slot_ids, visible, 0.3), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_switches_and_uuids():
-    assert set(ALL) == {"fuse_verify_sampling", "fuse_draft_sampling", "group_experts", "narrow_linear", "packed_linear", "fold_key_constants"}
+    assert set(ALL) == {"fuse_verify_sampling", "fuse_draft_sampling", "live_attention", "group_experts", "narrow_linear", "packed_linear", "fold_key_constants"}
     uuids = {PassManager(tuple(subset)).uuid() for n in range(len(ALL) + 1) for subset in __import__("itertools").combinations(ALL, n)}
     assert len(uuids) == 2 ** len(ALL)  # every pass set keys its own cache entries
     assert PassManager(ALL).uuid() == PassManager(tuple(reversed(ALL))).uuid()  # run order is the registry's
@@ -379,7 +435,7 @@ def test_command_line_switch(capsys):
     from compiled_mtp.cli import _engine_options, main
 
     args = argparse.Namespace(max_seq_len=None, dtype=None, device=None, backend="inductor", cache_dir=None, disable_pass=["packed_linear"])
-    assert _engine_options(args, None)["passes"] == ("fold_key_constants", "fuse_draft_sampling", "fuse_verify_sampling", "group_experts", "narrow_linear")
+    assert _engine_options(args, None)["passes"] == ("fold_key_constants", "fuse_draft_sampling", "fuse_verify_sampling", "group_experts", "live_attention", "narrow_linear")
     with pytest.raises(SystemExit):
         main(["generate", "hello", "--disable-pass", "fuse_everything"])
     assert "invalid choice: 'fuse_everything'" in capsys.readouterr().err

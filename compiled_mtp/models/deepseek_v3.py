@@ -125,15 +125,22 @@ class MLA(nn.Module):
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([r, dr], dim=-1)
         entry = torch.cat([self.kv_a_layernorm(latent), ctx.rope(k_pe, ctx.cos, ctx.sin)], dim=-1)
         kv = ctx.store_and_read(layer, entry)  # [B, S, r + dr]
-        kv_latent, kv_pe = kv.split([r, dr], dim=-1)
         w = self.kv_b_proj.weight.view(nh, dn + dv, r)
         q_latent = torch.einsum("bthd,hdr->bthr", q_nope, w[:, :dn])
-        scores = torch.einsum("bthr,bsr->bhts", q_latent, kv_latent) + torch.einsum("bthd,bsd->bhts", q_pe, kv_pe)
-        scores = (scores.float() * cfg.softmax_scale).masked_fill(~ctx.visible[:, None], float("-inf"))
-        probs = scores.softmax(dim=-1).to(x.dtype)
-        out_latent = torch.einsum("bhts,bsr->bthr", probs, kv_latent)
+        out_latent = latent_attention(q_latent, q_pe, kv, ctx.visible, cfg.softmax_scale)
         out = torch.einsum("bthr,hvr->bthv", out_latent, w[:, dn:])
         return self.o_proj(out.reshape(b, t, nh * dv))
+
+
+def latent_attention(q_latent: Tensor, q_pe: Tensor, kv: Tensor, visible: Tensor, scale: float) -> Tensor:
+    """MLA's attention in the latent space: queries q_latent [B, T, H, r] and q_pe [B, T, H, dr] over
+    cache entries kv [B, S, r + dr], row (b, t) attending to the entries where visible [B, T, S]
+    holds -> [B, T, H, r]. A function of its own so a pass can find it (passes/live_attention.py)."""
+    kv_latent, kv_pe = kv.split([q_latent.shape[-1], q_pe.shape[-1]], dim=-1)
+    scores = torch.einsum("bthr,bsr->bhts", q_latent, kv_latent) + torch.einsum("bthd,bsd->bhts", q_pe, kv_pe)
+    scores = (scores.float() * scale).masked_fill(~visible[:, None], float("-inf"))
+    probs = scores.softmax(dim=-1).to(kv.dtype)
+    return torch.einsum("bhts,bsr->bthr", probs, kv_latent)
 
 
 class MLP(nn.Module):

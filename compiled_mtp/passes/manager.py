@@ -17,6 +17,7 @@ from .fold_key_constants import FoldKeyConstants
 from .fuse_draft_sampling import FuseDraftSampling
 from .fuse_verify_sampling import FuseVerifySampling
 from .group_experts import GroupExperts
+from .live_attention import LiveAttention
 from .narrow_linear import NarrowLinear
 from .packed_linear import PackedLinear
 
@@ -27,6 +28,7 @@ from .packed_linear import PackedLinear
 REGISTRY: dict[str, CustomGraphPass] = {
     "fuse_verify_sampling": FuseVerifySampling(),
     "fuse_draft_sampling": FuseDraftSampling(),
+    "live_attention": LiveAttention(),
     "group_experts": GroupExperts(),
     "narrow_linear": NarrowLinear(),
     "packed_linear": PackedLinear(),

@@ -1,0 +1,113 @@
+"""Attention over the live part of each slot's cache only (`compiled_mtp::live_attention`, CPU).
+
+Static shapes make the traced attention (`models.deepseek_v3.latent_attention`) gather every one of
+a slot's max_seq_len cache entries and mask those past each row's position, so its cost follows the
+capacity, not the sequence: at max_seq_len 2048, a K=3 verify of the 250m preset at B=8 with 40
+tokens per request took 136 ms against 74 at max_seq_len 256. The op runs the same function on the entries up to the last
+one any row sees, reading them from the cache itself, so the graph's gather of every slot's whole
+cache goes as well.
+
+Each call is found by provenance, as the sampling is (fuse_verify_sampling.py): one connected region
+per layer, whose inputs must be the two queries [B, T, H, *], the gathered entries kv [B, S, D] and
+the mask visible [B, T, S], where kv is a gather of one layer's cache by slot (`cache[layer][slots]`).
+The scale is the region's one multiplication by a number. The region and the op run on seeded probe
+inputs under both assignments of the queries; the region is replaced only where exactly one agrees.
+Anything else leaves the region as it was, with a log line.
+
+The op's eager calls cost about 0.2 ms a layer more than Inductor's kernels, so a region stays traced
+where the traced attention does fewer than MIN_MULTIPLY_ADDS, B * T * H * S * (2 r + dr). Measured
+on the 250m preset (K=3 verify, 40 tokens in the cache, traced against live, ms; r = 256, dr = 32,
+12 heads, so 13.4M multiply-adds at B=1 and S=512): B=1 at max_seq_len 80 25.5 / 27.4, 256 22.2 /
+23.3, 512 26.4 / 26.3, 1024 27.6 / 25.8, 2048 36.7 / 30.7; B=8 at 256 73.8 / 71.6, 512 84.0 / 73.2,
+2048 135.6 / 73.1.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import torch
+from torch import fx
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+from .fx_nodes import aten, call, device_types, in_graph_order, signature, standalone, traced_calls
+from .kernels import live_attention as op_module
+
+log = logging.getLogger("compiled_mtp.passes")
+FUSED = torch.ops.compiled_mtp.live_attention.default
+MIN_MULTIPLY_ADDS = 16_000_000
+_FRAME = re.compile(r'models[/\\]deepseek_v3\.py", line \d+, in latent_attention\n')
+
+
+class LiveAttention(CustomGraphPass):
+    def __call__(self, graph: fx.Graph) -> None:
+        for region, inputs, outputs in traced_calls(graph, _FRAME):
+            devices = device_types(inputs)
+            if devices != {"cpu"}:
+                log.info("live_attention: attention stays traced on %s", "/".join(sorted(devices)))
+                continue
+            roles = _roles(region, inputs, outputs)
+            if isinstance(roles, str):
+                log.warning("live_attention: left traced: %s", roles)
+                continue
+            args, out = roles
+            if multiply_adds(*args[:3]) < MIN_MULTIPLY_ADDS:
+                continue
+            with graph.inserting_after(in_graph_order(args[:5], graph)[-1]):
+                out.replace_all_uses_with(call(graph, FUSED, *args))
+        graph.eliminate_dead_code()
+
+    def uuid(self) -> str:
+        return get_hash_for_files((__file__, op_module.__file__), str(MIN_MULTIPLY_ADDS)).hex()
+
+
+def multiply_adds(q_latent: fx.Node, q_pe: fx.Node, cache: fx.Node) -> int:
+    """What the traced attention multiplies and adds: every query row against every cache position,
+    twice in the latent space (scores, output) and once in the rope one."""
+    return cache.meta["val"].shape[1] * (2 * q_latent.meta["val"].numel() + q_pe.meta["val"].numel())
+
+
+def _roles(region: set[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]):
+    """(the op's arguments in order, the region's output) or why the region cannot be replaced."""
+    if not all(isinstance(n.meta.get("val"), torch.Tensor) for n in inputs + outputs):
+        return "a region input or output is not a tensor"
+    queries, kv, visible = ([n for n in inputs if signature(n) == kind] for kind in ((4, True), (3, True), (3, False)))
+    if [len(nodes) for nodes in (queries, kv, visible)] != [2, 1, 1] or len(inputs) != 4 or len(outputs) != 1:
+        return "its inputs and outputs do not have the shapes of (q_latent, q_pe, kv, visible) -> out"
+    (kv,), (visible,), (out,) = kv, visible, outputs
+    if not (kv.target is aten.index.Tensor and len(kv.args[1]) == 1 and kv.args[0].meta["val"].dim() == 3):
+        return "its entries are not a gather of one layer's cache by slot"
+    cache, (slots,) = kv.args
+    scales = [n.args[1] for n in region if n.target is aten.mul.Tensor and isinstance(n.args[1], float)]
+    if len(scales) != 1:
+        return f"it multiplies by {len(scales)} numbers, expected one (the scale)"
+    try:
+        values, expected = _probe(standalone(inputs, [out]), inputs, kv, visible)
+    except Exception as e:  # the region does not run as attention would
+        return f"the region does not run on probe inputs ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    agreeing = [q for q in (queries, queries[::-1]) if _agrees(values, expected, [*q, kv, visible], scales[0])]
+    if len(agreeing) != 1:
+        return f"the op agrees with the region under {len(agreeing)} assignments of the queries, expected one"
+    q_latent, q_pe = agreeing[0]
+    return [q_latent, q_pe, cache, slots, visible, scales[0]], out
+
+
+def _probe(module: fx.GraphModule, inputs: list[fx.Node], kv: fx.Node, visible: fx.Node) -> tuple[dict, torch.Tensor]:
+    """Seeded probe values of the region's inputs (random queries and entries, each row seeing a
+    random prefix of its slot's entries) and the region's output on them."""
+    gen = torch.Generator().manual_seed(0)
+    values = {n: torch.randn(n.meta["val"].shape, generator=gen).to(n.meta["val"].dtype) for n in inputs if n is not visible}
+    batch, rows, capacity = visible.meta["val"].shape
+    values[visible] = torch.arange(capacity) <= torch.randint(0, capacity, (batch, rows, 1), generator=gen)
+    return values, module(*(values[n] for n in inputs))[0]
+
+
+def _agrees(values: dict, expected: torch.Tensor, roles: list[fx.Node], scale: float) -> bool:
+    """Whether the op, given `roles` (q_latent, q_pe, kv, visible), computes the region's output."""
+    q_latent, q_pe, kv, visible = (values[n] for n in roles)
+    try:
+        got = FUSED(q_latent, q_pe, kv, torch.arange(len(kv)), visible, scale)
+    except RuntimeError:  # shapes that do not fit
+        return False
+    return got.shape == expected.shape and torch.allclose(got, expected, rtol=1e-4, atol=1e-5)

@@ -383,9 +383,9 @@ def test_attention_reads_only_the_live_cache(model, state, kind, b, k, calls, mo
 
 def test_small_attention_stays_traced(model, state, monkeypatch):
     """Below MIN_MULTIPLY_ADDS the op's calls cost more than the traced attention: the tiny model's
-    verify at B=2, K=2 multiplies each of 6 rows x 4 heads by 32 positions of its cache."""
+    verify at B=2, K=2 scores each of 6 rows x its heads against 32 positions of its cache."""
     cfg = model.cfg
-    work = 2 * 3 * cfg.num_attention_heads * state.max_seq_len * (2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    work = 2 * 3 * cfg.num_attention_heads * state.max_seq_len * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
     for threshold, fused in ((work + 1, 0), (work, 2)):
         monkeypatch.setattr(live_attention, "MIN_MULTIPLY_ADDS", threshold)
         _, after = _graphs("target_verify", 2, 2, model, state, ("live_attention",))

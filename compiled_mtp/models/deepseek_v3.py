@@ -283,15 +283,16 @@ class MTPLayer(DecoderLayer):
 
 
 class Context:
-    """What every layer of one forward shares: the cache, rope tables, write indices, slots and the
-    visibility mask."""
+    """What every layer of one forward shares: the cache, rope tables, where each row writes (slot,
+    position), the rows' slots and the visibility mask."""
 
     def __init__(self, rope: Rope, positions: Tensor, write_index: Tensor, slots: Tensor, cache: Tensor, dtype: torch.dtype) -> None:
         self.rope = rope
         self.cos, self.sin = rope.cos_sin(positions, dtype)
-        self.write_index = write_index
         self.slots = slots
         self.cache = cache
+        capacity = cache.shape[2]
+        self.write_slot, self.write_position = write_index // capacity, write_index % capacity
         # Row (b, t) sees cache entries 0..positions[b, t] of its slot: the causal mask inside a block
         # falls out of the positions, since a block's rows are written before they are read.
         self.visible = torch.arange(cache.shape[2], device=positions.device) <= positions[..., None]
@@ -304,10 +305,9 @@ class Context:
         only where the first of its writes is to the input itself. Written through `cache[layer]` (or a
         flat view), a compiled graph copied the whole cache, every layer, slot and position, and back
         on every call."""
-        capacity = self.cache.shape[2]
         # One layer index per row, not a 0-dim one: Inductor wrote a folded 0-dim index to every layer.
-        layers = torch.full_like(self.write_index, layer)
-        self.cache.index_put_((layers, self.write_index // capacity, self.write_index % capacity), entry)
+        layers = torch.full_like(self.write_slot, layer)
+        self.cache.index_put_((layers, self.write_slot, self.write_position), entry)
         return self.cache[layer][self.slots]
 
 

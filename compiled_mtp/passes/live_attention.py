@@ -15,11 +15,11 @@ inputs under both assignments of the queries; the region is replaced only where 
 Anything else leaves the region as it was, with a log line.
 
 The op's eager calls cost about 0.2 ms a layer more than Inductor's kernels, so a region stays traced
-where the traced attention does fewer than MIN_MULTIPLY_ADDS, B * T * H * S * (2 r + dr). Measured
-on the 250m preset (K=3 verify, 40 tokens in the cache, traced against live, ms; r = 256, dr = 32,
-12 heads, so 13.4M multiply-adds at B=1 and S=512): B=1 at max_seq_len 80 25.5 / 27.4, 256 22.2 /
-23.3, 512 26.4 / 26.3, 1024 27.6 / 25.8, 2048 36.7 / 30.7; B=8 at 256 73.8 / 71.6, 512 84.0 / 73.2,
-2048 135.6 / 73.1.
+where its scores take fewer than MIN_MULTIPLY_ADDS: every query row against every cache entry,
+B * T * H * S * (r + dr). Measured on the 250m preset (K=3 verify, 40 tokens in the cache, traced
+against live, ms; r = 256, dr = 32, 12 heads, so 7.1M multiply-adds at B=1 and S=512): B=1 at
+max_seq_len 80 25.5 / 27.4, 256 22.2 / 23.3, 512 26.4 / 26.3, 1024 27.6 / 25.8, 2048 36.7 / 30.7;
+B=8 at 256 73.8 / 71.6, 512 84.0 / 73.2, 2048 135.6 / 73.1.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from .kernels import live_attention as op_module
 
 log = logging.getLogger("compiled_mtp.passes")
 FUSED = torch.ops.compiled_mtp.live_attention.default
-MIN_MULTIPLY_ADDS = 16_000_000
+MIN_MULTIPLY_ADDS = 8_000_000
 _FRAME = re.compile(r'models[/\\]deepseek_v3\.py", line \d+, in latent_attention\n')
 
 
@@ -47,12 +47,16 @@ class LiveAttention(CustomGraphPass):
             if devices != {"cpu"}:
                 log.info("live_attention: attention stays traced on %s", "/".join(sorted(devices)))
                 continue
-            roles = _roles(region, inputs, outputs)
-            if isinstance(roles, str):
-                log.warning("live_attention: left traced: %s", roles)
+            parts = _parts(region, inputs, outputs)
+            if isinstance(parts, str):
+                log.warning("live_attention: left traced: %s", parts)
                 continue
-            args, out = roles
-            if multiply_adds(*args[:3]) < MIN_MULTIPLY_ADDS:
+            queries, kv, visible, out, scale = parts
+            if kv.meta["val"].shape[1] * sum(q.meta["val"].numel() for q in queries) < MIN_MULTIPLY_ADDS:
+                continue
+            args = _arguments(inputs, parts)
+            if isinstance(args, str):
+                log.warning("live_attention: left traced: %s", args)
                 continue
             with graph.inserting_after(in_graph_order(args[:5], graph)[-1]):
                 out.replace_all_uses_with(call(graph, FUSED, *args))
@@ -62,14 +66,8 @@ class LiveAttention(CustomGraphPass):
         return get_hash_for_files((__file__, op_module.__file__), str(MIN_MULTIPLY_ADDS)).hex()
 
 
-def multiply_adds(q_latent: fx.Node, q_pe: fx.Node, cache: fx.Node) -> int:
-    """What the traced attention multiplies and adds: every query row against every cache position,
-    twice in the latent space (scores, output) and once in the rope one."""
-    return cache.meta["val"].shape[1] * (2 * q_latent.meta["val"].numel() + q_pe.meta["val"].numel())
-
-
-def _roles(region: set[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]):
-    """(the op's arguments in order, the region's output) or why the region cannot be replaced."""
+def _parts(region: set[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]):
+    """(the two queries, kv, visible, the output, the scale) or why the region cannot be replaced."""
     if not all(isinstance(n.meta.get("val"), torch.Tensor) for n in inputs + outputs):
         return "a region input or output is not a tensor"
     queries, kv, visible = ([n for n in inputs if signature(n) == kind] for kind in ((4, True), (3, True), (3, False)))
@@ -78,19 +76,24 @@ def _roles(region: set[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]):
     (kv,), (visible,), (out,) = kv, visible, outputs
     if not (kv.target is aten.index.Tensor and len(kv.args[1]) == 1 and kv.args[0].meta["val"].dim() == 3):
         return "its entries are not a gather of one layer's cache by slot"
-    cache, (slots,) = kv.args
     scales = [n.args[1] for n in region if n.target is aten.mul.Tensor and isinstance(n.args[1], float)]
     if len(scales) != 1:
         return f"it multiplies by {len(scales)} numbers, expected one (the scale)"
+    return queries, kv, visible, out, scales[0]
+
+
+def _arguments(inputs: list[fx.Node], parts: tuple) -> list | str:
+    """The op's arguments in order, the queries told apart on seeded probes, or why they cannot be."""
+    queries, kv, visible, out, scale = parts
     try:
         values, expected = _probe(standalone(inputs, [out]), inputs, kv, visible)
     except Exception as e:  # the region does not run as attention would
         return f"the region does not run on probe inputs ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-    agreeing = [q for q in (queries, queries[::-1]) if _agrees(values, expected, [*q, kv, visible], scales[0])]
+    agreeing = [q for q in (queries, queries[::-1]) if _agrees(values, expected, [*q, kv, visible], scale)]
     if len(agreeing) != 1:
         return f"the op agrees with the region under {len(agreeing)} assignments of the queries, expected one"
-    q_latent, q_pe = agreeing[0]
-    return [q_latent, q_pe, cache, slots, visible, scales[0]], out
+    cache, (slots,) = kv.args
+    return [*agreeing[0], cache, slots, visible, scale]
 
 
 def _probe(module: fx.GraphModule, inputs: list[fx.Node], kv: fx.Node, visible: fx.Node) -> tuple[dict, torch.Tensor]:

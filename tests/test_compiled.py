@@ -16,7 +16,7 @@ from torch._inductor.graph import GraphLowering
 
 from compiled_mtp import Runtime, SamplingParams
 from compiled_mtp.models.checkpoint import load_model
-from compiled_mtp.passes import live_attention, narrow_linear, packed_linear
+from compiled_mtp.passes import narrow_linear, packed_linear
 from compiled_mtp.reference import reference_generate
 from tests.factory import write_echo_checkpoint
 
@@ -95,12 +95,10 @@ def test_inductor_graphs_equal_the_reference(tmp_path, monkeypatch):
     model keeps compile short): greedy output equals the reference, sampled output the eager steps,
     and no graph copies a cache.
     Linears on 2-4 rows go through the few-row kernel, those on 1 row become Inductor's
-    multiply-and-sum (narrow_linear), every other one goes through the packed-weight op and attention
-    through live_attention, although this model's weights and caches are below the sizes where those
-    pay."""
+    multiply-and-sum (narrow_linear) and every other one goes through the packed-weight op, although
+    this model's weights are below the sizes where those pay; attention goes through live_attention."""
     monkeypatch.setattr(packed_linear, "MIN_WEIGHT", 0)
     monkeypatch.setattr(narrow_linear, "KERNEL_WEIGHT", 0)
-    monkeypatch.setattr(live_attention, "MIN_MULTIPLY_ADDS", 0)
     model = load_model(write_echo_checkpoint(tmp_path, mtp_noise=0.3, attn_scale=0.5, seed=4, num_layers=2))
     rt = Runtime(model, mtp_depth=2, batch_sizes=(1, 2), max_seq_len=48, compile_backend="inductor", prefill_chunk=8)
     prompts = _prompts(3, seed=5)

@@ -6,6 +6,8 @@ test_compiled.py (torch.compile) and test_capture.py (AOTInductor)."""
 from __future__ import annotations
 
 import copy
+import re
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -265,17 +267,26 @@ def test_few_row_linear_falls_back_to_f_linear(monkeypatch):
         assert not few_row_linear.supports(x, w)
         assert torch.equal(few_row_linear.few_row_linear(x, w), torch.nn.functional.linear(x, w))
 
+    x = torch.randn(3, 40, generator=gen)
+    with _unbuilt(few_row_linear, "F.linear", monkeypatch):
+        assert torch.equal(few_row_linear.few_row_linear(x, weight), torch.nn.functional.linear(x, weight))
+
+
+@contextmanager
+def _unbuilt(kernel, fallback: str, monkeypatch):
+    """`kernel`'s module as where no compiler builds it: its op must warn, naming `fallback`."""
+
     def no_compiler(*args, **kwargs):
         raise RuntimeError("g++: not found")
 
     monkeypatch.setattr("torch._inductor.codecache.CppPythonBindingsCodeCache.load_pybinding", no_compiler)
-    few_row_linear.build.cache_clear()
+    name = kernel.__name__.rsplit(".", 1)[-1]
+    kernel.build.cache_clear()
     try:
-        x = torch.randn(3, 40, generator=gen)
-        with pytest.warns(UserWarning, match=r"^few_row_linear: the C\+\+ kernel did not build \(g\+\+: not found\); using F.linear$"):
-            assert torch.equal(few_row_linear.few_row_linear(x, weight), torch.nn.functional.linear(x, weight))
+        with pytest.warns(UserWarning, match=rf"^{name}: the C\+\+ kernel did not build \(g\+\+: not found\); using {re.escape(fallback)}$"):
+            yield
     finally:
-        few_row_linear.build.cache_clear()
+        kernel.build.cache_clear()
 
 
 def test_graphs_build_the_kernel_before_any_step_when_a_linear_needs_it(model, state, monkeypatch):
@@ -342,16 +353,8 @@ def test_routed_experts_falls_back_to_the_gathered_products(monkeypatch):
         assert not routed_experts.supports(*args)
         assert torch.equal(ROUTED_EXPERTS(*args), gathered_experts(*args))
 
-    def no_compiler(*args, **kwargs):
-        raise RuntimeError("g++: not found")
-
-    monkeypatch.setattr("torch._inductor.codecache.CppPythonBindingsCodeCache.load_pybinding", no_compiler)
-    routed_experts.build.cache_clear()
-    try:
-        with pytest.warns(UserWarning, match=r"^routed_experts: the C\+\+ kernel did not build \(g\+\+: not found\); using the gathered products$"):
-            assert torch.equal(ROUTED_EXPERTS(x, idx, weights, gate, up, down), gathered_experts(x, idx, weights, gate, up, down))
-    finally:
-        routed_experts.build.cache_clear()
+    with _unbuilt(routed_experts, "the gathered products", monkeypatch):
+        assert torch.equal(ROUTED_EXPERTS(x, idx, weights, gate, up, down), gathered_experts(x, idx, weights, gate, up, down))
 
 
 @pytest.mark.parametrize("kernel", [routed_experts, live_attention_kernel], ids=["routed_experts", "live_attention"])
@@ -426,16 +429,8 @@ def test_live_attention_falls_back_to_the_model_function(monkeypatch):
     assert not live_attention_kernel.supports(*bf16)
     torch.testing.assert_close(LIVE_ATTENTION(*bf16, 0.3), latent_attention(*bf16[:2], bf16[2][bf16[3]], bf16[4], 0.3), equal_nan=True)
 
-    def no_compiler(*args, **kwargs):
-        raise RuntimeError("g++: not found")
-
-    monkeypatch.setattr("torch._inductor.codecache.CppPythonBindingsCodeCache.load_pybinding", no_compiler)
-    live_attention_kernel.build.cache_clear()
-    try:
-        with pytest.warns(UserWarning, match=r"^live_attention: the C\+\+ kernel did not build \(g\+\+: not found\); using the model's attention on the live entries$"):
-            torch.testing.assert_close(LIVE_ATTENTION(*case, 0.3), expected, rtol=1e-5, atol=1e-5, equal_nan=True)
-    finally:
-        live_attention_kernel.build.cache_clear()
+    with _unbuilt(live_attention_kernel, "the model's attention on the live entries", monkeypatch):
+        torch.testing.assert_close(LIVE_ATTENTION(*case, 0.3), expected, rtol=1e-5, atol=1e-5, equal_nan=True)
 
 
 def test_switches_and_uuids():

@@ -295,7 +295,7 @@ class Context:
         self.write_slot, self.write_position = write_index // capacity, write_index % capacity
         # Row (b, t) sees cache entries 0..positions[b, t] of its slot: the causal mask inside a block
         # falls out of the positions, since a block's rows are written before they are read.
-        self.visible = torch.arange(cache.shape[2], device=positions.device) <= positions[..., None]
+        self.visible = torch.arange(capacity, device=positions.device) <= positions[..., None]
 
     def store_and_read(self, layer: int, entry: Tensor) -> Tensor:
         """Writes the rows' entries [B, T, D] to the cache of `layer`, then returns that layer's

@@ -47,11 +47,7 @@ class LiveAttention(CustomGraphPass):
             if devices != {"cpu"}:
                 log.info("live_attention: attention stays traced on %s", "/".join(sorted(devices)))
                 continue
-            parts = _parts(region, inputs, outputs)
-            if isinstance(parts, str):
-                log.warning("live_attention: left traced: %s", parts)
-                continue
-            args = _arguments(inputs, parts)
+            args = _arguments(region, inputs, outputs)
             if isinstance(args, str):
                 log.warning("live_attention: left traced: %s", args)
                 continue
@@ -86,8 +82,12 @@ def _parts(region: set[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]):
     return queries, kv, visible, out, scales[0]
 
 
-def _arguments(inputs: list[fx.Node], parts: tuple) -> list | str:
-    """The op's arguments in order, the queries told apart on seeded probes, or why they cannot be."""
+def _arguments(region: set[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]) -> list | str:
+    """The op's arguments in order, the queries told apart on seeded probes, or why the region cannot
+    be replaced."""
+    parts = _parts(region, inputs, outputs)
+    if isinstance(parts, str):
+        return parts
     queries, kv, visible, out, scale = parts
     try:
         values, expected = _probe(standalone(inputs, [out]), inputs, kv, visible)

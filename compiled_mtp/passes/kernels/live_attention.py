@@ -160,15 +160,16 @@ extern "C" void kernel(const float* q_latent, const float* q_pe, const float* ca
     const int64_t chunk = (rows + splits - 1) / splits, chunks = (rows + chunk - 1) / chunk;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t item = 0; item < batch * chunks; item++) {
-        const int64_t b = item / chunks, q0 = (item % chunks) * chunk, q1 = std::min(q0 + chunk, rows);
-        const int64_t n = std::max<int64_t>(live[b], 1);
+        const int64_t b = item / chunks, q0 = (item % chunks) * chunk, q1 = std::min(q0 + chunk, rows), n = live[b];
         const float* kv = cache + slots[b] * capacity * width;
-        std::vector<float> probs((q1 - q0) * n, 0.f);
+        std::vector<float> probs((q1 - q0) * n);
         float* o = out + (b * rows + q0) * rank;
-        std::fill(o, o + (q1 - q0) * rank, 0.f);
-        for (int pass = 0; pass < 2; pass++) {
-            for (int64_t s0 = 0; s0 < live[b]; s0 += ENTRY_BLOCK) {
-                const int64_t s1 = std::min(s0 + ENTRY_BLOCK, live[b]);
+        // Nothing visible to any row: NaN, as traced; else the weighted sum accumulates from zero.
+        std::fill(o, o + (q1 - q0) * rank, n ? 0.f : std::numeric_limits<float>::quiet_NaN());
+        // Every block of entries against every block of rows: their scores, or their weighted sum.
+        auto each_block = [&](bool score) {
+            for (int64_t s0 = 0; s0 < n; s0 += ENTRY_BLOCK) {
+                const int64_t s1 = std::min(s0 + ENTRY_BLOCK, n);
                 for (int64_t r0 = q0; r0 < q1; r0 += ROWS) {
                     const int64_t count = std::min(ROWS, q1 - r0);
                     const float *ql[ROWS], *qp[ROWS];
@@ -177,16 +178,16 @@ extern "C" void kernel(const float* q_latent, const float* q_pe, const float* ca
                         ql[r] = q_latent + (b * rows + r0 + r) * rank;
                         qp[r] = q_pe + (b * rows + r0 + r) * rope;
                         p[r] = probs.data() + (r0 + r - q0) * n;
-                        acc[r] = out + (b * rows + r0 + r) * rank;
+                        acc[r] = o + (r0 + r - q0) * rank;
                     }
-                    block_any<ROWS>(count, pass == 0, ql, qp, kv, s0, s1, rank, rope, p, acc);
+                    block_any<ROWS>(count, score, ql, qp, kv, s0, s1, rank, rope, p, acc);
                 }
             }
-            if (pass == 0)
-                for (int64_t q = q0; q < q1; q++)
-                    softmax(probs.data() + (q - q0) * n, visible + (b * steps + q / heads) * capacity, live[b], scale);
-        }
-        if (live[b] == 0) std::fill(o, o + (q1 - q0) * rank, std::numeric_limits<float>::quiet_NaN());
+        };
+        each_block(true);
+        for (int64_t q = q0; q < q1; q++)
+            softmax(probs.data() + (q - q0) * n, visible + (b * steps + q / heads) * capacity, n, scale);
+        each_block(false);
     }
 }
 """

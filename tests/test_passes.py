@@ -18,7 +18,7 @@ from compiled_mtp.capture.compiler import example_inputs
 from compiled_mtp.graphs.state import StaticState
 from compiled_mtp.models.checkpoint import load_model
 from compiled_mtp.models.deepseek_v3 import Linear, gathered_experts, latent_attention
-from compiled_mtp.passes.kernels import few_row_linear, packed_linear, routed_experts
+from compiled_mtp.passes.kernels import few_row_linear, greedy_sample, packed_linear, routed_experts
 from compiled_mtp.passes.kernels import live_attention as live_attention_kernel
 from compiled_mtp.passes.fold_key_constants import PREFIX, key_only
 from compiled_mtp.passes.fuse_draft_sampling import FUSED as DRAFT_FUSED
@@ -357,8 +357,8 @@ def test_routed_experts_falls_back_to_the_gathered_products(monkeypatch):
         assert torch.equal(ROUTED_EXPERTS(x, idx, weights, gate, up, down), gathered_experts(x, idx, weights, gate, up, down))
 
 
-@pytest.mark.parametrize("kernel", [routed_experts, live_attention_kernel], ids=["routed_experts", "live_attention"])
-def test_graphs_build_the_experts_and_attention_kernels_before_any_step(model, state, kernel):
+@pytest.mark.parametrize("kernel", [routed_experts, live_attention_kernel, greedy_sample], ids=["routed_experts", "live_attention", "greedy_sample"])
+def test_graphs_build_the_experts_attention_and_greedy_kernels_before_any_step(model, state, kernel):
     from compiled_mtp.capture.compiler import CompiledGraphs
 
     kernel.build.cache_clear()
@@ -367,6 +367,18 @@ def test_graphs_build_the_experts_and_attention_kernels_before_any_step(model, s
     assert kernel.build.cache_info().misses == 0
     CompiledGraphs(model, state, "inductor")
     assert kernel.build.cache_info().misses == 1 and kernel.build() is not None
+
+
+def test_greedy_batches_fall_back_to_the_python_path(monkeypatch):
+    from compiled_mtp.graphs.sampling import verify_sample
+
+    gen = torch.Generator().manual_seed(0)
+    logits, drafts, q = torch.randn(2, 3, 50, generator=gen), torch.randint(0, 50, (2, 2), generator=gen), torch.rand(2, 2, 50, generator=gen)
+    args = (logits, torch.zeros(2), torch.zeros(2, dtype=torch.long), torch.ones(2), drafts, q, torch.rand(2, 3, generator=gen))
+    with _unbuilt(greedy_sample, "the sampling ops' Python paths", monkeypatch):
+        got = FUSED(*args)
+    expected = verify_sample(*args)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
 
 
 def _cache_gathers(graph, capacity):

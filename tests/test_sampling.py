@@ -1,6 +1,7 @@
 """Properties of compiled_mtp.graphs.sampling: filtered distributions, inverse-CDF draws and
 speculative rejection sampling (exact for greedy, distribution-preserving when sampling)."""
 
+import contextlib
 import math
 
 import pytest
@@ -424,14 +425,23 @@ def verify_cases(draw):
         )
     )
     temperature, top_k, top_p = (torch.tensor(v) for v in zip(*params))
+    drafts, q, noise = drafts_and_noise(draw, logits, gen, agree=0.6)
+    return logits, temperature.float(), top_k.long(), top_p.float(), drafts, q, noise
+
+
+def drafts_and_noise(draw, logits: torch.Tensor, gen: torch.Generator, agree: float):
+    """For logits [B, K+1, V]: drafts [B, K] that are the target's argmax with probability `agree`
+    (else anything), q one-hot (greedy drafts) or spread, and uniforms [B, K+1]."""
+    batch, rows, vocab = logits.shape
+    k = rows - 1
     q = torch.softmax(torch.randn(batch, k, vocab, generator=gen) * 3, dim=-1)
     if draw(st.booleans()):
         q = torch.zeros_like(q).scatter(-1, q.argmax(-1, keepdim=True), 1.0)
     drafts = torch.where(
-        torch.rand(batch, k, generator=gen) < 0.6, logits[:, :k].argmax(-1), torch.randint(0, vocab, (batch, k), generator=gen)
+        torch.rand(batch, k, generator=gen) < agree, logits[:, :k].argmax(-1), torch.randint(0, vocab, (batch, k), generator=gen)
     )
-    noise = torch.tensor(draw(st.lists(uniforms, min_size=batch * (k + 1), max_size=batch * (k + 1)))).view(batch, k + 1)
-    return logits, temperature.float(), top_k.long(), top_p.float(), drafts, q, noise
+    noise = torch.tensor(draw(st.lists(uniforms, min_size=batch * rows, max_size=batch * rows))).view(batch, rows)
+    return drafts, q, noise
 
 
 @SETTINGS
@@ -470,3 +480,67 @@ def test_fused_draft_op_gives_the_traced_drafts(case):
             got_tokens, got_q = draft_kernel.draft_sample(*args)
         assert torch.equal(tokens, got_tokens), spare
         torch.testing.assert_close(got_q, q, rtol=1e-5, atol=1e-6)
+
+
+@st.composite
+def greedy_cases(draw):
+    """A batch of greedy requests for the C++ path: vocabularies within one vector, over several
+    blocks and over several threads' parts of a row; ties with the row's maximum, NaN and infinities
+    at drawn places (also whole rows of -inf); drafts that are the argmax or anything; and 1-8 threads
+    (more threads than rows split each row)."""
+    batch, k = draw(st.integers(1, 4)), draw(st.integers(0, 3))
+    vocab = draw(st.sampled_from([1, 5, 513, 1500, 40001, 40001]))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    logits = torch.randn(batch, k + 1, vocab, generator=gen)
+    rows = logits.view(-1, vocab)
+    specials = st.tuples(st.integers(0, len(rows) - 1), st.integers(0, vocab - 1), st.sampled_from(["tie", "nan", "inf", "-inf", "-inf row"]))
+    for row, at, kind in draw(st.lists(specials, max_size=6)):
+        if kind == "-inf row":
+            rows[row] = -math.inf
+        else:
+            rows[row, at] = rows[row].max() if kind == "tie" else float(kind)
+    drafts, q, noise = drafts_and_noise(draw, logits, gen, agree=0.7)
+    params = torch.zeros(batch), torch.zeros(batch, dtype=torch.long), torch.ones(batch)
+    return (logits, *params, drafts, q, noise), draw(st.sampled_from([1, 2, 3, 8]))
+
+
+@contextlib.contextmanager
+def threads(count: int):
+    """torch's thread count set to `count` inside, restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@SETTINGS
+@given(greedy_cases())
+def test_greedy_batches_take_the_cpp_path_with_the_traced_tokens(case):
+    """The verify op, and the draft op on each request's first row, for batches of greedy requests:
+    the C++ path (kernels/greedy_sample.py) takes them, and gives the definition's tokens and q."""
+    from compiled_mtp.graphs.sampling import draft_sample, verify_sample
+    from compiled_mtp.passes.kernels import draft_sample as draft_kernel
+    from compiled_mtp.passes.kernels import verify_sample as kernel
+    from compiled_mtp.passes.kernels.greedy_sample import greedy_verify
+
+    args, num_threads = case
+    logits, temperature, top_k, top_p, drafts, q, noise = args
+    draft_args = (logits[:, 0], temperature, top_k, top_p, noise[:, 0])
+    with threads(num_threads):
+        assert greedy_verify(logits, temperature, drafts, q, noise) is not None
+        expected, got = verify_sample(*args), kernel.verify_sample(*args)
+        (tokens, q), (got_tokens, got_q) = draft_sample(*draft_args), draft_kernel.draft_sample(*draft_args)
+    assert torch.equal(expected[0], got[0]) and torch.equal(expected[1], got[1])
+    assert torch.equal(tokens, got_tokens) and torch.equal(q, got_q)
+
+
+def test_greedy_path_leaves_sampled_batches_and_other_dtypes_to_the_general_path():
+    from compiled_mtp.passes.kernels.greedy_sample import greedy_verify
+
+    gen = torch.Generator().manual_seed(0)
+    logits, drafts, q, noise = torch.randn(2, 3, 50, generator=gen), torch.zeros(2, 2, dtype=torch.long), torch.rand(2, 2, 50, generator=gen), torch.rand(2, 3, generator=gen)
+    assert greedy_verify(logits, torch.tensor([0.0, 0.7]), drafts, q, noise) is None
+    assert greedy_verify(logits.bfloat16(), torch.zeros(2), drafts, q, noise) is None
+    assert greedy_verify(logits, torch.zeros(2), drafts, q, noise) is not None

@@ -18,12 +18,13 @@ import logging
 import re
 
 import torch
-from torch import fx
+from torch import fx, nn
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from .fuse_verify_sampling import PROBE_ROWS, probe_logits, probe_params
 from .fx_nodes import call_in_place_of, device_types, signature, standalone, traced_calls
 from .kernels import draft_sample as op_module
+from .kernels import greedy_sample
 
 log = logging.getLogger("compiled_mtp.passes")
 FUSED = torch.ops.compiled_mtp.draft_sample.default
@@ -48,6 +49,9 @@ class FuseDraftSampling(CustomGraphPass):
 
     def uuid(self) -> str:
         return get_hash_for_files((__file__, op_module.__file__)).hex()
+
+    def prepare(self, model: nn.Module) -> None:
+        greedy_sample.prepare(model)
 
 
 def _roles(inputs: list[fx.Node], outputs: list[fx.Node]):

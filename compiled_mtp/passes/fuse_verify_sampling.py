@@ -21,11 +21,12 @@ import logging
 import re
 
 import torch
-from torch import fx
+from torch import fx, nn
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch._inductor.pattern_matcher import stable_topological_sort
 
 from .fx_nodes import boundary, call_in_place_of, device_types, signature, standalone, traced_region
+from .kernels import greedy_sample
 from .kernels import verify_sample as op_module
 from .kernels import verify_sample_triton as triton_kernel  # registers the CUDA kernel where Triton is installed
 
@@ -60,6 +61,9 @@ class FuseVerifySampling(CustomGraphPass):
 
     def uuid(self) -> str:
         return get_hash_for_files((__file__, op_module.__file__, triton_kernel.__file__), str(FUSE_ON_CUDA)).hex()
+
+    def prepare(self, model: nn.Module) -> None:
+        greedy_sample.prepare(model)
 
 
 def _roles(inputs: list[fx.Node], outputs: list[fx.Node]):

@@ -17,12 +17,19 @@ import torch
 from torch import Tensor
 
 from ...graphs.sampling import sample_from_probs
+from .greedy_sample import greedy_verify
 from .verify_sample import filtered_rows, request_kinds, rows_of, softmax_rows
 
 
 @torch.library.custom_op("compiled_mtp::draft_sample", mutates_args=(), device_types="cpu")
 def draft_sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
     """Arguments and results as `graphs.sampling.draft_sample`: (tokens [B], q float32 [B, V])."""
+    batch, vocab = logits.shape
+    no_drafts, no_draft_probs = u.new_empty(batch, 0, dtype=torch.long), u.new_empty(batch, 0, vocab)  # a draft step verifies none
+    greedy = greedy_verify(logits[:, None], temperature, no_drafts, no_draft_probs, u[:, None])
+    if greedy is not None:
+        tokens = greedy[1][:, 0]
+        return tokens, torch.zeros_like(logits).scatter_(-1, tokens[:, None], 1.0)
     logits = logits.float()
     g, s, f = request_kinds(temperature, top_k, top_p, logits.shape[-1])
     tokens = torch.empty(len(logits), dtype=torch.long, device=logits.device)

@@ -16,12 +16,18 @@ multiplies each head's rows by that head's slice of kv_b_proj, and at 4 rows Ind
 MKL's bmm, which took 0.48-0.93 ms for the 8 layers of the 250m preset against 0.41-0.47 ms as a
 multiply-and-sum (a 4-row verify of the 250m preset, timed in turns: 0.2-0.9 ms faster).
 
-Linears of 2-4 rows on weights of KERNEL_WEIGHT elements or more (the LM head) go to
+Linears of 2-4 rows on weights of KERNEL_WEIGHT elements or more go to
 `compiled_mtp::few_row_linear` instead (kernels/few_row_linear.py), which does the arithmetic about
-twice as fast as Inductor's loop. On the 250m preset a 4-row verify took 23.0-23.9 ms with it against
-27.1-27.8 without, when this machine's memory was fast (a 1-row verify then takes 15 ms), and the same
-27-29 ms either way when it was slow (20 ms). At 1 row the kernel made the verify 1.2-2.5 ms slower
-(a separate call where Inductor's code fuses the LM head with the final norm), so 1 row stays here.
+twice as fast as Inductor's loop but costs about 6 us more a call. For the LM head alone (4M
+elements and more), a 4-row verify of the 250m preset took 23.0-23.9 ms with it against 27.1-27.8
+without when this machine's memory was fast, and 27-29 ms either way when it was slow. At 256K
+elements the 250m preset's attention projections (but kv_a) and dense MLP go too: its 4-row verify,
+timed in turns four times, took 0-0.7 ms less than with the LM head alone (0.5-0.9 ms with every
+token routed to the same experts); the shipped model sends only its LM head, and its 4-row verify
+took 1.41-1.45 ms against 1.43-1.46. At 128K elements the shipped model's MLP weights went too and
+its verify took 1.53 ms: there the call costs more than the arithmetic saves. At 1 row the kernel
+made the 250m verify 1.2-2.5 ms slower (a separate call where Inductor's code fuses the LM head with
+the final norm), so 1 row stays here.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ aten = torch.ops.aten
 NARROW_ROWS = op_module.MAX_ROWS
 # Weights of this many elements or more go to the hand-written kernel; smaller ones, whose read
 # costs less than the op's call, stay in Inductor's code, fused with their neighbours.
-KERNEL_WEIGHT = 1 << 22
+KERNEL_WEIGHT = 1 << 18
 KERNEL_ROWS = 2
 
 

@@ -23,7 +23,8 @@
    the LM head alone at 4 rows against 1 (compiled by Inductor without and with the passes), and
    target_verify at K=3, B = 1 and 8, in a cache of 2048 positions (the Runtime's default
    max_seq_len) with all passes against all but live_attention, and in one as long as the rows need.
-Results are printed and written to benchmarks/passes-<device>.json.
+Results are printed and written to benchmarks/passes-<device>.json, with the commit each part
+measured; a run of one part keeps the file's other part.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import subprocess
 import sys
 import tempfile
 import time
@@ -281,15 +283,37 @@ def main() -> None:
     args.out = args.out or ROOT / "benchmarks" / f"passes-{args.device}.json"
     torch.manual_seed(0)
     device = torch.cuda.get_device_name() if args.device == "cuda" else f"cpu, {torch.get_num_threads()} threads"
-    result = {"torch": torch.__version__, "device": device, "dtype": args.dtype}
+    result = {**_other_parts(args.out, args.part), "torch": torch.__version__, "device": device, "dtype": args.dtype}
     if args.part in ("sampling", "both"):
         print(f"verify sampling at vocab {VOCAB} (best of {args.runs}):", flush=True)
         result["sampling"] = bench_sampling(argparse.Namespace(**{**vars(args), "depths": args.depths or [1, 2, 3]}))
     if args.part in ("e2e", "both"):
         print("end to end, ~250M random checkpoint, B=1 (tokens/s SIMULATED at 0.8 acceptance per position):", flush=True)
         result["e2e"] = bench_e2e(argparse.Namespace(**{**vars(args), "depths": args.depths or [0, 1, 2, 3]}))
+    result["runs"] = {**result.get("runs", {}), **{part: _commit() for part in ("sampling", "e2e") if args.part in (part, "both")}}
     args.out.write_text(json.dumps(result, indent=1))
     print(f"wrote {args.out}")
+
+
+def _other_parts(path: Path, part: str) -> dict:
+    """What an earlier result file holds of the part this run leaves out, so that a one-part run
+    updates its own part only."""
+    if part == "both" or not path.exists():
+        return {}
+    earlier = json.loads(path.read_text())
+    other = "e2e" if part == "sampling" else "sampling"
+    return {key: earlier[key] for key in (other, "runs") if key in earlier}
+
+
+def _commit() -> str:
+    """The commit measured (with `+` when the engine's code or this script has changes), or `unknown`
+    outside a checkout."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "compiled_mtp", __file__], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+" if dirty.strip() else "")
 
 
 if __name__ == "__main__":

@@ -536,11 +536,12 @@ def test_greedy_batches_take_the_cpp_path_with_the_traced_tokens(case):
     assert torch.equal(tokens, got_tokens) and torch.equal(q, got_q)
 
 
-def test_greedy_path_leaves_sampled_batches_and_other_dtypes_to_the_general_path():
+def test_greedy_path_leaves_sampled_batches_other_dtypes_and_odd_shapes_to_the_general_path():
     from compiled_mtp.passes.kernels.greedy_sample import greedy_verify
 
     gen = torch.Generator().manual_seed(0)
     logits, drafts, q, noise = torch.randn(2, 3, 50, generator=gen), torch.zeros(2, 2, dtype=torch.long), torch.rand(2, 2, 50, generator=gen), torch.rand(2, 3, generator=gen)
     assert greedy_verify(logits, torch.tensor([0.0, 0.7]), drafts, q, noise) is None
     assert greedy_verify(logits.bfloat16(), torch.zeros(2), drafts, q, noise) is None
+    assert greedy_verify(logits, torch.zeros(2), drafts[:, :1], q, noise) is None  # shapes that disagree: never read past a tensor
     assert greedy_verify(logits, torch.zeros(2), drafts, q, noise) is not None

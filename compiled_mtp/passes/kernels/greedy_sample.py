@@ -130,10 +130,7 @@ def greedy_verify(
     greedy, the tensors are CPU float32 and the kernel is built; None otherwise (the caller then
     takes its general path). Arguments as that function's, less top_k and top_p, which greedy
     requests ignore."""
-    if not (
-        logits.device.type == "cpu" and logits.dtype == draft_probs.dtype == noise.dtype == temperature.dtype == torch.float32
-        and drafts.dtype == torch.int64 and logits.shape[-1] > 0
-    ):
+    if not _supports(logits, temperature, drafts, draft_probs, noise):
         return None
     kernel = build()
     if kernel is None:
@@ -143,3 +140,16 @@ def greedy_verify(
     num_accepted, tokens, done = drafts.new_empty(batch), drafts.new_empty(batch, steps), drafts.new_empty(1)
     kernel(logits, temperature, drafts, draft_probs, noise, num_accepted, tokens, done, batch, steps, vocab, *draft_probs.stride(), torch.get_num_threads())
     return (num_accepted, tokens) if done.item() else None
+
+
+def _supports(logits: Tensor, temperature: Tensor, drafts: Tensor, draft_probs: Tensor, noise: Tensor) -> bool:
+    """CPU float32 tensors of consistent shapes (the kernel reads by logits' shape), none empty."""
+    if logits.dim() != 3 or logits.numel() == 0:
+        return False
+    batch, steps, vocab = logits.shape
+    return (
+        all(t.device.type == "cpu" for t in (logits, temperature, drafts, draft_probs, noise))
+        and logits.dtype == temperature.dtype == draft_probs.dtype == noise.dtype == torch.float32 and drafts.dtype == torch.int64
+        and temperature.shape == (batch,) and drafts.shape == (batch, steps - 1) and noise.shape == (batch, steps)
+        and draft_probs.shape == (batch, steps - 1, vocab)
+    )

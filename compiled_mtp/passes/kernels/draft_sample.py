@@ -21,7 +21,10 @@ from .greedy_sample import greedy_verify
 from .verify_sample import filtered_rows, request_kinds, rows_of, softmax_rows
 
 
-@torch.library.custom_op("compiled_mtp::draft_sample", mutates_args=(), device_types="cpu")
+# Defined and implemented directly, like the verify op: it runs in every draft step.
+torch.library.define("compiled_mtp::draft_sample", "(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor u) -> (Tensor, Tensor)")
+
+
 def draft_sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
     """Arguments and results as `graphs.sampling.draft_sample`: (tokens [B], q float32 [B, V])."""
     batch, vocab = logits.shape
@@ -47,6 +50,9 @@ def draft_sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tens
     return tokens, q
 
 
-@draft_sample.register_fake
+torch.library.impl("compiled_mtp::draft_sample", "CPU", draft_sample)
+
+
+@torch.library.register_fake("compiled_mtp::draft_sample")
 def _(logits, temperature, top_k, top_p, u):
     return logits.new_empty(logits.shape[0], dtype=torch.long), logits.new_empty(logits.shape, dtype=torch.float32)

@@ -418,13 +418,18 @@ def _attention_case(gen: torch.Generator, batch: int, rows: int, capacity: int, 
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(
     batch=st.integers(1, 3), rows=st.integers(1, 5), capacity=st.integers(1, 150), heads=st.integers(1, 3),
-    rank=st.integers(1, 40), rope=st.integers(1, 20), slots=st.integers(3, 5), blind=st.booleans(), seed=st.integers(0, 2**16),
+    rank=st.integers(1, 40), rope=st.integers(1, 20), slots=st.integers(3, 5), blind=st.booleans(), strided=st.booleans(),
+    seed=st.integers(0, 2**16),
 )
-def test_live_attention_equals_attention_over_the_whole_cache(batch, rows, capacity, heads, rank, rope, slots, blind, seed):
+def test_live_attention_equals_attention_over_the_whole_cache(batch, rows, capacity, heads, rank, rope, slots, blind, strided, seed):
     """The op reads only up to the last entry a request's rows see; entries past it, whatever they
     hold, have no weight in the traced attention. Widths with and without vector tails, caches over
-    several of the kernel's entry blocks, and rows that see nothing (NaN, as traced)."""
+    several of the kernel's entry blocks, rows that see nothing (NaN, as traced), and queries read in
+    place by their strides (head-major, as the absorbed products leave q_latent, or slices of a wider row)."""
     q_latent, q_pe, cache, slot_ids, visible = _attention_case(torch.Generator().manual_seed(seed), batch, rows, capacity, heads, rank, rope, slots, blind)
+    if strided:
+        q_latent = q_latent.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
+        q_pe = torch.cat([q_pe, torch.randn_like(q_pe)], dim=-1)[..., :rope]
     expected = latent_attention(q_latent, q_pe, cache[slot_ids], visible, 0.3)
     got = LIVE_ATTENTION(q_latent, q_pe, cache, slot_ids, visible, 0.3)
     # Scores reach ~100 here and exp turns their rounding (summed in another order) into relative

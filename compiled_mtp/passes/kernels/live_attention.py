@@ -145,10 +145,12 @@ static void softmax(float* sc, const bool* visible, int64_t live, float scale) {
 }
 
 // q_latent [B, T, H, rank], q_pe [B, T, H, rope], cache [N, S, rank + rope], slots [B], visible [B, T, S]
-// -> out [B, T, H, rank]
+// -> out [B, T, H, rank]. The queries' rows are read by their strides over (B, T, H): the absorbed
+// products leave q_latent head-major, and a copy per layer would cost more than reading it in place.
 extern "C" void kernel(const float* q_latent, const float* q_pe, const float* cache, const int64_t* slots,
                        const bool* visible, float* out, int64_t batch, int64_t steps, int64_t heads, int64_t rank,
-                       int64_t rope, int64_t capacity, float scale, int64_t threads) {
+                       int64_t rope, int64_t capacity, int64_t ql_b, int64_t ql_t, int64_t ql_h, int64_t qp_b,
+                       int64_t qp_t, int64_t qp_h, float scale, int64_t threads) {
     const int64_t width = rank + rope, rows = steps * heads;
     std::vector<int64_t> live(batch, 0);  // entries up to the last one any row of the request sees
     for (int64_t b = 0; b < batch; b++)
@@ -175,8 +177,9 @@ extern "C" void kernel(const float* q_latent, const float* q_pe, const float* ca
                     const float *ql[ROWS], *qp[ROWS];
                     float *p[ROWS], *acc[ROWS];
                     for (int64_t r = 0; r < count; r++) {
-                        ql[r] = q_latent + (b * rows + r0 + r) * rank;
-                        qp[r] = q_pe + (b * rows + r0 + r) * rope;
+                        const int64_t t = (r0 + r) / heads, h = (r0 + r) % heads;
+                        ql[r] = q_latent + b * ql_b + t * ql_t + h * ql_h;
+                        qp[r] = q_pe + b * qp_b + t * qp_t + h * qp_h;
                         p[r] = probs.data() + (r0 + r - q0) * n;
                         acc[r] = o + (r0 + r - q0) * rank;
                     }
@@ -192,7 +195,7 @@ extern "C" void kernel(const float* q_latent, const float* q_pe, const float* ca
 }
 """
 
-_ARGTYPES = ["const float*", "const float*", "const float*", "const int64_t*", "const bool*", "float*"] + ["int64_t"] * 6 + ["float", "int64_t"]
+_ARGTYPES = ["const float*", "const float*", "const float*", "const int64_t*", "const bool*", "float*"] + ["int64_t"] * 12 + ["float", "int64_t"]
 
 
 @functools.cache
@@ -226,10 +229,12 @@ def live_attention(q_latent: Tensor, q_pe: Tensor, cache: Tensor, slots: Tensor,
         seen = visible.flatten(0, -2).any(0).nonzero()
         live = int(seen.max()) + 1 if len(seen) else 1  # nothing visible: one entry, all masked, as traced
         return latent_attention(q_latent, q_pe, cache[slots, :live], visible[..., :live], scale).contiguous()
-    q_latent, q_pe, slots, visible = (t.contiguous() for t in (q_latent, q_pe, slots, visible))
+    q_latent, q_pe = (q if q.stride(-1) == 1 else q.contiguous() for q in (q_latent, q_pe))
+    slots, visible = slots.contiguous(), visible.contiguous()
     batch, steps, heads, rank = q_latent.shape
     out = q_latent.new_empty(q_latent.shape)
-    kernel(q_latent, q_pe, cache, slots, visible, out, batch, steps, heads, rank, q_pe.shape[-1], cache.shape[1], scale, torch.get_num_threads())
+    shape = (batch, steps, heads, rank, q_pe.shape[-1], cache.shape[1])
+    kernel(q_latent, q_pe, cache, slots, visible, out, *shape, *q_latent.stride()[:3], *q_pe.stride()[:3], scale, torch.get_num_threads())
     return out
 
 

@@ -33,6 +33,7 @@ from torch import fx, nn
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from .fx_nodes import aten, call, device_types, in_graph_order, signature, standalone, traced_calls
+from .kernels import cpp_build
 from .kernels import live_attention as op_module
 
 log = logging.getLogger("compiled_mtp.passes")
@@ -61,8 +62,7 @@ class LiveAttention(CustomGraphPass):
     def prepare(self, model: nn.Module) -> None:
         """Build the kernel now if the model's attention goes to it, so that the first step served
         does not wait for the compiler."""
-        weight = next(model.parameters())
-        if weight.device.type == "cpu" and weight.dtype == torch.float32:
+        if cpp_build.serves(model):
             op_module.build()
 
 

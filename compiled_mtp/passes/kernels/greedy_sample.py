@@ -118,8 +118,7 @@ def build() -> Callable[..., None] | None:
 def prepare(model: nn.Module) -> None:
     """Build the kernel now if `model`'s logits are CPU float32, so that the first step served does
     not wait for the compiler."""
-    head = model.get_submodule("lm_head").weight
-    if head.device.type == "cpu" and head.dtype == torch.float32:
+    if cpp_build.serves(model):
         build()
 
 

@@ -13,13 +13,16 @@ from .capture.aot import environment
 from .capture.cache import GraphCache
 from .capture.compiler import example_inputs, graph_keys, key_name
 from .capture.profile import DEFAULT_MODEL, PROFILES, Profile, ProfileError, load_profile
-from .models.config import CheckpointError
+from .depth_policy import depth_arg
+from .models.config import CheckpointError, ModelConfig
+from .models.draft_vocab import token_ranking, write_ranking
 from .models.synthetic import PRESETS, preset_config, write_random_checkpoint
 from .passes.manager import add_pass_switch, without
 from .runtime import Runtime, SamplingParams
+from .tokenizer import Tokenizer
 
 # Engine settings when neither a flag nor a profile gives them.
-ENGINE_DEFAULTS = {"max_seq_len": 512, "dtype": "float32", "device": "cpu"}
+ENGINE_DEFAULTS = {"max_seq_len": 512, "dtype": "float32", "device": "cpu", "draft_vocab": None}
 
 
 def _user_cache() -> Path:
@@ -54,8 +57,9 @@ def _report(rt: Runtime, outs, seconds: float) -> None:
     tokens = sum(len(o.token_ids) for o in outs)
     s = rt.stats()
     rates = ", ".join(f"{r:.2f}" for r in s["acceptance_rate_per_position"]) or "-"
+    depths = f" (steps per depth {s['depth_histogram']})" if rt.mtp_depth == "auto" else ""
     print(
-        f"  K={rt.mtp_depth}: {tokens} tokens in {seconds:.2f} s ({tokens / seconds:.1f} tok/s), "
+        f"  K={rt.mtp_depth}{depths}: {tokens} tokens in {seconds:.2f} s ({tokens / seconds:.1f} tok/s), "
         f"acceptance length {s['acceptance_length']:.2f}, per-position acceptance [{rates}], "
         f"compiles {s['compiles']}, recompiles {s['recompiles']}"
     )
@@ -64,11 +68,13 @@ def _report(rt: Runtime, outs, seconds: float) -> None:
 def cmd_generate(args: argparse.Namespace) -> None:
     options = _engine_options(args, load_profile(args.profile) if args.profile else None)
     if args.mtp_depth is not None:
-        options |= {"mtp_depth": args.mtp_depth, "mtp_depths": (*options.get("mtp_depths", ()), args.mtp_depth)}
+        extra = () if args.mtp_depth == "auto" else (args.mtp_depth,)
+        options |= {"mtp_depth": args.mtp_depth, "mtp_depths": (*options.get("mtp_depths", ()), *extra) or None}
     rt = Runtime.from_pretrained(args.model, **options)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     prompt = _parse_ids(args.prompt) if args.ids or rt.tokenizer is None else args.prompt
     rt.generate([prompt], params)  # the first run compiles the graphs or loads them from the cache
+    rt.reset_stats()
     start = time.perf_counter()
     out = rt.generate([prompt], params)[0]
     print(args.prompt + out.text if out.text is not None else " ".join(map(str, out.token_ids)))
@@ -92,7 +98,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
     if rt.graphs.cache:
         print(f"capture cache: {rt.graphs.cache.root} (the first run builds the graphs, later runs load them)")
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
-    for depth in (0, 3):
+    for depth in (0, 3, "auto"):  # auto chooses between the other two's graphs, step by step
         rt.mtp_depth = depth
         start, compiles, loads = time.perf_counter(), rt.graphs.compiles, rt.graphs.loads
         rt.generate([DEMO_PROMPT], SamplingParams(max_new_tokens=4, ignore_eos=True))
@@ -100,10 +106,30 @@ def cmd_demo(args: argparse.Namespace) -> None:
             f"  K={depth}: graphs ready in {time.perf_counter() - start:.1f} s "
             f"({rt.graphs.compiles - compiles} compiled, {rt.graphs.loads - loads} loaded from the cache)"
         )
+        rt.reset_stats()
         start = time.perf_counter()
         outs = rt.generate([DEMO_PROMPT], params)
         _report(rt, outs, time.perf_counter() - start)
-    print("generated (K=3, greedy):\n" + DEMO_PROMPT + outs[0].text)
+    print("generated (auto, greedy):\n" + DEMO_PROMPT + outs[0].text)
+
+
+def cmd_calibrate(args: argparse.Namespace) -> None:
+    tokenizer = Tokenizer.find(args.model)
+    if tokenizer is None:
+        raise ValueError(f"model: {args.model} has no tokenizer.json to count tokens with")
+    vocab = ModelConfig.from_file(args.model / "config.json").vocab_size
+    streams = []
+    for path in args.text:
+        try:
+            streams.append(tokenizer.encode(path.read_text(encoding="utf-8")))
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"text: cannot read {path} ({e.__class__.__name__}: {e})") from None
+    ranking = token_ranking(streams, vocab)
+    tokens = sum(len(s) for s in streams)
+    out = write_ranking(args.model, ranking, f"{len(streams)} files, {tokens} tokens")
+    top = set(ranking[: vocab // 4])
+    covered = sum(t in top for s in streams for t in s) / max(tokens, 1)
+    print(f"wrote {out}: {tokens} tokens counted; the top {vocab // 4} of {vocab} ids cover {100 * covered:.1f}% of them")
 
 
 def cmd_capture(args: argparse.Namespace) -> None:
@@ -152,6 +178,11 @@ def _add_engine_options(p: argparse.ArgumentParser, backend: bool = True) -> Non
     p.add_argument("--max-seq-len", type=int, help=f"default: the profile's, else {ENGINE_DEFAULTS['max_seq_len']}")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help=f"default: the profile's, else {ENGINE_DEFAULTS['dtype']}")
     p.add_argument("--device", help=f"default: the profile's, else {ENGINE_DEFAULTS['device']}")
+    p.add_argument(
+        "--draft-vocab", type=int, metavar="N",
+        help="draft among the model's N most frequent tokens (its draft_vocab.json, see calibrate); "
+        "default: the profile's, else every token",
+    )
     if backend:
         p.add_argument("--backend", default="inductor", choices=("inductor", "eager"), help="eager runs uncompiled")
     add_pass_switch(p)
@@ -171,7 +202,11 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--ids", action="store_true", help="the prompt is token ids")
     g.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="checkpoint directory (default: the shipped model)")
     g.add_argument("--profile", type=Path, help="take buckets, depths and engine settings from a capture profile")
-    g.add_argument("--mtp-depth", type=int, help="default: 3, or the profile's largest depth")
+    g.add_argument(
+        "--mtp-depth", type=depth_arg,
+        help="draft tokens per step, or 'auto' to choose each step's depth among 0..3 (or the profile's) "
+        "from measured speed and acceptance (default: 3, or the profile's largest depth)",
+    )
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0)
@@ -192,6 +227,11 @@ def main(argv: list[str] | None = None) -> None:
     _add_engine_options(d)
     _add_cache_option(d, _graph_cache())
     d.set_defaults(func=cmd_demo)
+
+    cal = sub.add_parser("calibrate", help="rank the model's tokens by frequency in text, for --draft-vocab")
+    cal.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="checkpoint directory (default: the shipped model)")
+    cal.add_argument("--text", type=Path, nargs="+", required=True, help="UTF-8 text files like those the model will serve")
+    cal.set_defaults(func=cmd_calibrate)
 
     c = sub.add_parser("capture", help="pre-build every graph of a capture profile into a cache")
     c.add_argument("--profile", required=True, type=Path, help="e.g. profiles/default-cpu.toml")

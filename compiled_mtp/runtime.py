@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -17,8 +17,10 @@ from typing import Iterable, Sequence
 import torch
 
 from .capture.compiler import CompiledGraphs, key_name
+from .depth_policy import DepthPolicy
 from .graphs.state import StaticState
 from .models.checkpoint import load_model
+from .models.draft_vocab import read_ranking
 from .models.deepseek_v3 import DeepseekV3
 from .tokenizer import Tokenizer
 
@@ -70,6 +72,8 @@ class _Request:
     generator: torch.Generator | None
     slot: int = -1
     seq_len: int = 0  # committed tokens, prompt included
+    lag: int = 0  # positions M has not run over yet (depth-0 steps since it last caught up)
+    rates: list[float] = field(default_factory=list)  # acceptance per draft position (auto depth)
 
 
 @dataclass
@@ -80,6 +84,7 @@ class _Stats:
     proposed: list[int] = field(default_factory=list)  # per draft position
     accepted: list[int] = field(default_factory=list)
     host_seconds: float = 0.0  # decode steps' Python time outside graph calls
+    depths: Counter[int] = field(default_factory=Counter)  # decode steps run at each depth
 
     def record(self, depth: int, emitted: int, accepted: int) -> None:
         grow = depth - len(self.proposed)
@@ -100,7 +105,7 @@ class Runtime:
         self,
         model: DeepseekV3,
         *,
-        mtp_depth: int = 3,
+        mtp_depth: int | str = 3,
         mtp_depths: Sequence[int] | None = None,
         batch_sizes: Sequence[int] = (1, 2, 4, 8),
         max_seq_len: int = 2048,
@@ -111,7 +116,7 @@ class Runtime:
         cache_dir: str | Path | None = None,
         tokenizer: Tokenizer | None = None,
     ) -> None:
-        depths = sorted(set(mtp_depths or ()) | {mtp_depth})
+        depths = _depths(mtp_depth, mtp_depths, model.num_mtp_layers)
         if depths[0] < 0:
             raise ValueError(f"mtp_depth: must be >= 0, got {depths[0]}")
         if depths[-1] > 0 and model.num_mtp_layers == 0:
@@ -132,6 +137,7 @@ class Runtime:
         self.state = StaticState(model, buckets[-1], max_seq_len, depths[-1])
         self.graphs = CompiledGraphs(model, self.state, compile_backend, None if passes is None else tuple(passes), cache_dir)
         self._depth = mtp_depth
+        self._policy = DepthPolicy(depths)
         self._device = model.lm_head.weight.device
         self._ids = itertools.count()
         self._seeds = torch.Generator().manual_seed(seed)
@@ -144,15 +150,22 @@ class Runtime:
     def from_pretrained(
         cls,
         path: str | Path,
-        mtp_depth: int = 3,
+        mtp_depth: int | str = 3,
         batch_sizes: Sequence[int] = (1, 2, 4, 8),
         max_seq_len: int = 2048,
         dtype: str = "float32",
         device: str = "cpu",
         cache_dir: str | Path | None = None,
+        draft_vocab: int | None = None,
         **options,
     ) -> Runtime:
         """Load an HF-layout DeepSeek-V3 checkpoint directory and prepare its graphs.
+
+        `mtp_depth` is the draft depth K of every step, or "auto": each step's K is chosen among the
+        captured depths (`mtp_depths`, default 0..3) from the graphs' measured cost and the running
+        requests' acceptance (see depth_policy.py). `draft_vocab=N` drafts among the checkpoint's N
+        most frequent tokens (its draft_vocab.json, from `compiled-mtp calibrate`): a cheaper draft
+        head, the same output (verification stays exact).
 
         Options: `mtp_depths` (extra depths to allow switching to), `compile_backend` ("inductor",
         "aot_eager" or "eager"), `passes` (names of the custom FX passes to run, of
@@ -161,18 +174,24 @@ class Runtime:
         it lacks are built once and stored there."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype: must be one of {', '.join(DTYPES)}, got {dtype!r}")
-        depths = set(options.get("mtp_depths") or ()) | {mtp_depth}
-        model = load_model(path, dtype=DTYPES[dtype], device=device, with_mtp=max(depths) > 0)
+        with_mtp = mtp_depth == "auto" or max({*(options.get("mtp_depths") or ()), mtp_depth}) > 0
+        model = load_model(path, dtype=DTYPES[dtype], device=device, with_mtp=with_mtp)
+        if draft_vocab is not None:
+            vocab = model.cfg.vocab_size
+            if not isinstance(draft_vocab, int) or not 1 <= draft_vocab <= vocab:
+                raise ValueError(f"draft_vocab: must be an integer in [1, {vocab}], got {draft_vocab!r}")
+            model.restrict_drafts(torch.tensor(read_ranking(path, vocab)[:draft_vocab]))
         return cls(model, mtp_depth=mtp_depth, batch_sizes=batch_sizes, max_seq_len=max_seq_len, cache_dir=cache_dir, tokenizer=Tokenizer.find(path), **options)
 
     @property
-    def mtp_depth(self) -> int:
+    def mtp_depth(self) -> int | str:
+        """The depth of every decode step, or "auto"."""
         return self._depth
 
     @mtp_depth.setter
-    def mtp_depth(self, depth: int) -> None:
-        if depth not in self.depths:
-            raise ValueError(f"mtp_depth: {depth} is not one of the captured depths {list(self.depths)}")
+    def mtp_depth(self, depth: int | str) -> None:
+        if depth != "auto" and depth not in self.depths:
+            raise ValueError(f"mtp_depth: {depth} is not one of the captured depths {list(self.depths)} (or 'auto')")
         self._depth = depth
 
     # -- requests -------------------------------------------------------------------------------
@@ -189,6 +208,7 @@ class Runtime:
             params=params,
             stop_ids=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids),
             generator=None if greedy else torch.Generator().manual_seed(seed),
+            rates=self._policy.prior(),
         )
         self._waiting.append(req)
         return req.out.request_id
@@ -279,15 +299,26 @@ class Runtime:
             first = self.graphs(("prefill", 1, 0), tokens, following, slot, self._tensor([start]), n, noise)
         req.seq_len = len(prompt)
         self._running[req.slot] = req
-        return self._commit(req, [int(first)], depth=0, accepted=0)
+        return self._commit(req, [int(first)], depth=None, accepted=0)
+
+    def _choose_depth(self, reqs: list[_Request], bucket: int) -> int:
+        if self._depth != "auto":
+            return self._depth
+        wanted = [r.params.max_new_tokens - len(r.out.token_ids) for r in reqs]
+        return self._policy.choose(bucket, [r.rates for r in reqs], wanted)
 
     def _decode(self, reqs: list[_Request]) -> list[StepOutput]:
-        k, b = self._depth, len(reqs)
-        self.graphs.begin_step()
+        b = len(reqs)
         bucket = next(s for s in self.buckets if s >= b)
+        k = self._choose_depth(reqs, bucket)
+        self.graphs.begin_step()
         pad = bucket - b
         slots = self._tensor([r.slot for r in reqs] + [self.state.scratch_slot] * pad)
         lens = self._tensor([r.seq_len for r in reqs] + [1] * pad)
+        window = self.state.lag_window
+        if any(r.lag and (k > 0 or r.lag >= window) for r in reqs):
+            self._catch_up(reqs, bucket, slots, lens)
+        start = time.perf_counter()
         # Uniforms per request: K - 1 draft steps, K accept tests + 1 final token, 1 next d_1.
         decode_w = max(k - 1, 0)
         noise = self._noise(reqs, bucket, decode_w + k + 1 + (k > 0))
@@ -298,11 +329,30 @@ class Runtime:
         if k >= 1:
             self.graphs(("draft_extend", bucket, k), slots, lens, accepted, committed, hidden, noise[:, -1:])
         self._stats.steps += 1
+        self._stats.depths[k] += 1
         accepted_l, committed_l = accepted.tolist(), committed.tolist()
-        return [self._commit(r, committed_l[i][: accepted_l[i] + 1], k, accepted_l[i]) for i, r in enumerate(reqs)]
+        for r in reqs:
+            r.lag += k == 0 and window > 0
+        outputs = [self._commit(r, committed_l[i][: accepted_l[i] + 1], k, accepted_l[i]) for i, r in enumerate(reqs)]
+        self._policy.record_cost(bucket, k, time.perf_counter() - start)
+        return outputs
 
-    def _commit(self, req: _Request, tokens: list[int], depth: int, accepted: int) -> StepOutput:
-        """Emit committed tokens up to the first stop token and max_new_tokens; count only those."""
+    def _catch_up(self, reqs: list[_Request], bucket: int, slots: torch.Tensor, lens: torch.Tensor) -> None:
+        """M over the positions depth-0 steps left it behind on, and fresh d_1 drafts."""
+        window = self.state.lag_window
+        tokens = []
+        for r in reqs:
+            tail = (r.out.prompt_token_ids + r.out.token_ids)[-window:]
+            tokens.append([0] * (window - len(tail)) + tail)
+        tokens += [[0] * window] * (bucket - len(reqs))
+        lags = self._tensor([r.lag for r in reqs] + [0] * (bucket - len(reqs)))
+        self.graphs(("mtp_catch_up", bucket, 0), slots, lens, lags, self._tensor(itertools.chain.from_iterable(tokens)).view(bucket, window), self._noise(reqs, bucket, 1))
+        for r in reqs:
+            r.lag = 0
+
+    def _commit(self, req: _Request, tokens: list[int], depth: int | None, accepted: int) -> StepOutput:
+        """Emit committed tokens up to the first stop token and max_new_tokens; count only those.
+        `depth` is None for the token a prefill samples."""
         out = req.out
         room = req.params.max_new_tokens - len(out.token_ids)
         emitted = tokens[:room]
@@ -313,12 +363,13 @@ class Runtime:
                 break
         out.token_ids += emitted
         req.seq_len += len(tokens)
-        if depth:
+        if depth is not None:
             # Drafts are the first `accepted` committed tokens; the last one is the target's own.
             counted = min(accepted, len(emitted))
             out.num_draft_tokens += depth
             out.num_accepted_tokens += counted
             self._stats.record(depth, len(emitted), counted)
+            self._policy.observe(req.rates, depth, accepted)
         if reason is not None:
             out.finish_reason = reason
             out.text = self.tokenizer.decode(out.token_ids) if self.tokenizer else None
@@ -326,12 +377,18 @@ class Runtime:
             self._free.append(req.slot)
         return StepOutput(out.request_id, emitted, reason is not None, reason, out if reason else None)
 
+    def reset_stats(self) -> None:
+        """Start the decode statistics (acceptance, steps, depths, host time) afresh; the graph
+        counters (replays, compiles, recompiles, graph seconds) keep counting."""
+        self._stats = _Stats()
+
     def stats(self) -> dict:
-        """Acceptance length (tokens per request-step), per-position acceptance, replays per graph key,
-        compiles and recompiles."""
+        """Acceptance length (tokens per request and decode step, depth-0 steps included), per-position
+        acceptance, decode steps per depth, replays per graph key, compiles and recompiles."""
         s = self._stats
         return {
             "acceptance_length": s.committed / s.request_steps if s.request_steps else 0.0,
+            "request_steps": s.request_steps,
             "acceptance_rate_per_position": [a / p if p else 0.0 for a, p in zip(s.accepted, s.proposed)],
             "draft_tokens": sum(s.proposed),
             "accepted_tokens": sum(s.accepted),
@@ -339,7 +396,18 @@ class Runtime:
             "host_seconds": s.host_seconds,
             "host_seconds_per_step": s.host_seconds / s.steps if s.steps else 0.0,
             "graph_seconds": self.graphs.seconds,
+            "depth_histogram": dict(sorted(s.depths.items())),
             "graph_replays": {key_name(k): n for k, n in self.graphs.replays.items()},
             "compiles": self.graphs.compiles,
             "recompiles": self.graphs.recompiles,
         }
+
+
+def _depths(mtp_depth: int | str, extra: Sequence[int] | None, mtp_layers: int) -> list[int]:
+    """The captured depths: `mtp_depth` and `extra`; "auto" adds 0 and, by default, 1..3 when the model
+    has MTP layers."""
+    if mtp_depth == "auto":
+        return sorted({0, *(extra or (range(1, 4) if mtp_layers else ()))})
+    if not isinstance(mtp_depth, int):
+        raise ValueError(f"mtp_depth: must be an integer >= 0 or 'auto', got {mtp_depth!r}")
+    return sorted({*(extra or ()), mtp_depth})

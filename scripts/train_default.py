@@ -76,6 +76,7 @@ sys.path.insert(0, str(REPO))
 from compiled_mtp.models.checkpoint import load_model, save_checkpoint  # noqa: E402
 from compiled_mtp.models.config import ModelConfig  # noqa: E402
 from compiled_mtp.models.deepseek_v3 import DeepseekV3, Router  # noqa: E402
+from compiled_mtp.models.draft_vocab import token_ranking, write_ranking  # noqa: E402
 from compiled_mtp.reference import reference_generate  # noqa: E402
 
 EOT = "<|endoftext|>"
@@ -524,6 +525,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     save_checkpoint(model, CONFIG, args.out, dtype=torch.bfloat16)
     tok.save(str(args.out / "tokenizer.json"))
+    ranking = token_ranking((tok.encode(t).ids for _, t in train_files), CONFIG["vocab_size"])
+    write_ranking(args.out, ranking, f"{len(train_files)} files, {len(train_stream) - len(train_files)} tokens")
     log["train_minutes"] = (time.time() - t0) / 60
 
     # Measure what ships: the bf16 checkpoint as the engine loads it.

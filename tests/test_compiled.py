@@ -51,10 +51,14 @@ def test_every_key_traces_whole_and_matches_reference(noisy_echo):
 
 def test_mixed_workload_after_warmup_triggers_no_recompile(noisy_echo):
     rt = Runtime(noisy_echo, mtp_depth=2, mtp_depths=(0, 2), batch_sizes=(1, 2, 4), max_seq_len=64, compile_backend="aot_eager", prefill_chunk=8)
-    for k in (0, 2):  # warm-up: every key once
-        rt.mtp_depth = k
-        for n in (1, 2, 4):
-            rt.generate(_prompts(n, seed=n), PARAMS)
+    for n in (1, 2, 4):  # warm-up: every key once (back to K=2 after K=0 steps, M catches up)
+        for prompt in _prompts(n, seed=n):
+            rt.add_request(prompt, PARAMS)
+        for k in (0, 0, 2):
+            rt.mtp_depth = k
+            rt.step()
+        while rt.has_unfinished():
+            rt.step()
     warm = rt.stats()["compiles"]
     mixed = [
         SamplingParams(max_new_tokens=n, temperature=t, top_k=tk, top_p=tp, seed=s, ignore_eos=True)
@@ -91,30 +95,42 @@ def test_step_tensor_unlike_the_traced_one_fails_loudly(noisy_echo, change):
 
 
 def test_inductor_graphs_equal_the_reference(tmp_path, monkeypatch):
-    """Real Inductor code with every custom pass, for every kind at K = 2, buckets 1 and 2 (a 2-layer
-    model keeps compile short): greedy output equals the reference, sampled output the eager steps,
-    and no graph copies a cache.
+    """Real Inductor code with every custom pass, for every kind at K = 2 and 0, buckets 1 and 2 (a
+    2-layer model keeps compile short), drafting from half the vocabulary (draft_vocab): greedy output
+    equals the reference, also when M catches up after depth-0 steps, sampled output the eager
+    steps, and no graph copies a cache.
     Linears on 2-4 rows go through the few-row kernel, those on 1 row become Inductor's
     multiply-and-sum (narrow_linear) and every other one goes through the packed-weight op, although
     this model's weights are below the sizes where those pay; attention goes through live_attention."""
     monkeypatch.setattr(packed_linear, "MIN_WEIGHT", 0)
     monkeypatch.setattr(narrow_linear, "KERNEL_WEIGHT", 0)
     model = load_model(write_echo_checkpoint(tmp_path, mtp_noise=0.3, attn_scale=0.5, seed=4, num_layers=2))
-    rt = Runtime(model, mtp_depth=2, batch_sizes=(1, 2), max_seq_len=48, compile_backend="inductor", prefill_chunk=8)
+    model.restrict_drafts(torch.arange(0, 97, 2))
+    rt = Runtime(model, mtp_depth=2, mtp_depths=(0, 2), batch_sizes=(1, 2), max_seq_len=48, compile_backend="inductor", prefill_chunk=8)
     prompts = _prompts(3, seed=5)
     codes: list[str] = []
     with mock.patch.object(GraphLowering, "save_output_code", codes.append):  # also called on a cache hit
         outs = rt.generate(prompts, PARAMS)
-    assert [o.token_ids for o in outs] == _expected(model, prompts)
+        assert [o.token_ids for o in outs] == _expected(model, prompts)
+        ids = [rt.add_request(p, PARAMS) for p in prompts]
+        got = {i: [] for i in ids}
+        schedule = iter((0, 0, 0, 2, 2, 0))
+        while rt.has_unfinished():
+            rt.mtp_depth = next(schedule, 2)
+            for out in rt.step():
+                got[out.request_id] += out.new_token_ids
+        assert list(got.values()) == _expected(model, prompts)
+    assert rt.graphs.replays[("mtp_catch_up", 2, 0)] >= 1
     _assert_state_written_in_place(rt, codes)
     sampled = [
         SamplingParams(max_new_tokens=10, temperature=t, top_k=tk, top_p=tp, seed=s, ignore_eos=True)
         for t, tk, tp, s in [(0.8, 0, 1.0, 1), (1.0, 5, 1.0, 2), (1.2, 0, 0.9, 3)]
     ]
-    eager = Runtime(model, mtp_depth=2, batch_sizes=(1, 2), max_seq_len=48, compile_backend="eager", prefill_chunk=8)
+    rt.mtp_depth = 2
+    eager = Runtime(model, mtp_depth=2, mtp_depths=(0, 2), batch_sizes=(1, 2), max_seq_len=48, compile_backend="eager", prefill_chunk=8)
     assert [o.token_ids for o in rt.generate(prompts, sampled)] == [o.token_ids for o in eager.generate(prompts, sampled)]
     stats = rt.stats()
-    assert stats["compiles"] == 1 + 2 * 3 and stats["recompiles"] == 0
+    assert stats["compiles"] == len(stats["graph_replays"]) == len(codes) and stats["recompiles"] == 0
 
 
 def _assert_state_written_in_place(rt: Runtime, codes: list[str]) -> None:
@@ -122,7 +138,9 @@ def _assert_state_written_in_place(rt: Runtime, codes: list[str]) -> None:
     what its rows read, not a copy of every slot's cache (Inductor copied the cache whole, and back,
     where a graph wrote it through a view)."""
     caches = {size for cache in (rt.state.target_cache, rt.state.mtp_cache) for size in (cache.numel(), cache[0].numel())}
-    assert len(codes) == 1 + 2 * 3  # every graph's code, compiled or loaded
+    # Every kind ran: prefill, draft_decode, target_verify and draft_extend at K=2, target_verify at K=0, mtp_catch_up.
+    assert {key[0] for key in rt.graphs.replays} == {"prefill", "draft_decode", "target_verify", "draft_extend", "mtp_catch_up"}
+    assert len(codes) == len(rt.graphs.replays)  # every graph's code, compiled or loaded
     for code in codes:
         shapes = [tuple(map(int, re.findall(r"\d+", dims))) for dims in re.findall(r"empty_strided_\w+\(\(([\d, ]*)\)", code)]
         assert shapes, "no allocations found: has the generated code changed form?"

@@ -29,8 +29,13 @@ TRANSITIONS = 12_000
 
 
 @pytest.fixture(scope="module")
-def markov(tmp_path_factory):
-    model = load_model(write_echo_checkpoint(tmp_path_factory.mktemp("markov"), vocab_size=VOCAB, mtp_noise=0.5, seed=3))
+def markov_path(tmp_path_factory):
+    return write_echo_checkpoint(tmp_path_factory.mktemp("markov"), vocab_size=VOCAB, mtp_noise=0.5, seed=3)
+
+
+@pytest.fixture(scope="module")
+def markov(markov_path):
+    model = load_model(markov_path)
     return model, _chain(model, target=True), _chain(model, target=False)
 
 
@@ -47,10 +52,11 @@ def _chain(model, target: bool) -> torch.Tensor:
     return (model.logits(h)[:, 0] / TEMPERATURE).softmax(-1).double()
 
 
-def _transitions(model, k: int) -> torch.Tensor:
-    """(previous, next) pairs in generation order, from batches of seeded requests."""
+def _transitions(model, k: int | str, seed: int) -> tuple[torch.Tensor, dict[int, int]]:
+    """(previous, next) pairs in generation order, from batches of seeded requests, and the steps run
+    at each depth."""
     rt = Runtime(model, mtp_depth=k, batch_sizes=(16,), max_seq_len=64, compile_backend="eager", prefill_chunk=4)
-    gen = torch.Generator().manual_seed(100 + k)
+    gen = torch.Generator().manual_seed(seed)
     pairs: list[torch.Tensor] = []
     seed = 0
     while sum(len(p) for p in pairs) < TRANSITIONS:
@@ -62,7 +68,7 @@ def _transitions(model, k: int) -> torch.Tensor:
         for start, out in zip(starts, rt.generate([[s] for s in starts], params)):
             seq = torch.tensor([start] + out.token_ids)
             pairs.append(torch.stack([seq[:-1], seq[1:]], dim=1))
-    return torch.cat(pairs)[:TRANSITIONS]
+    return torch.cat(pairs)[:TRANSITIONS], rt.stats()["depth_histogram"]
 
 
 def _counts(pairs: torch.Tensor) -> torch.Tensor:
@@ -76,19 +82,38 @@ def _distance(counts: torch.Tensor, chain: torch.Tensor) -> float:
     return float((rows[:, 0] * 0.5 * (empirical - chain).abs().sum(-1)).sum() / rows.sum())
 
 
-@pytest.mark.parametrize("k", range(4))
+# "auto" switches depth between steps from measured wall time, so its schedule (not its distribution)
+# varies from run to run.
+DEPTHS = [0, 1, 2, 3, "auto"]
+
+
+@pytest.mark.parametrize("k", DEPTHS)
 def test_sampled_tokens_follow_the_target_chain(markov, k):
     model, target, draft = markov
     assert _distance(torch.eye(VOCAB), draft) > 0.05  # the drafts really differ from the target
-    pairs = _transitions(model, k)
+    pairs, depths = _transitions(model, k, seed=100 + DEPTHS.index(k))
+    assert len(depths) > 1 if k == "auto" else list(depths) == [k], depths
+    _assert_follows(pairs, target, draft, f"K={k}")
+
+
+def test_sampled_tokens_follow_the_target_chain_with_a_restricted_draft_vocabulary(markov, markov_path):
+    """draft_vocab: q is zero outside the draft tokens, so the residual must supply every other one."""
+    _, target, draft = markov
+    model = load_model(markov_path)
+    model.restrict_drafts(torch.arange(0, VOCAB, 2))
+    pairs, _ = _transitions(model, 2, seed=200)
+    _assert_follows(pairs, target, draft, "K=2, half the vocabulary drafted")
+
+
+def _assert_follows(pairs: torch.Tensor, target: torch.Tensor, draft: torch.Tensor, case: str) -> None:
     counts = _counts(pairs)
     p = min(chi_square_p_value(counts[x], target[x]) for x in range(VOCAB)) * VOCAB  # Bonferroni over rows
-    assert p > 1e-6, f"K={k}: chi-square p={p:.2e}"
+    assert p > 1e-6, f"{case}: chi-square p={p:.2e}"
 
     early, full = _distance(_counts(pairs[: TRANSITIONS // 16]), target), _distance(counts, target)
-    assert full < early / 2, f"K={k}: distance to the target {early:.4f} -> {full:.4f} did not shrink"
+    assert full < early / 2, f"{case}: distance to the target {early:.4f} -> {full:.4f} did not shrink"
     gen = torch.Generator().manual_seed(7)
     randoms = [(3 * torch.rand(VOCAB, VOCAB, generator=gen)).softmax(-1).double() for _ in range(4)]
     for ref in [draft] + randoms:
         far, early_far = _distance(counts, ref), _distance(_counts(pairs[: TRANSITIONS // 16]), ref)
-        assert far > 0.05 and far > 0.5 * early_far, f"K={k}: distance to a wrong chain fell to {far:.4f}"
+        assert far > 0.05 and far > 0.5 * early_far, f"{case}: distance to a wrong chain fell to {far:.4f}"

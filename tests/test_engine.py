@@ -28,9 +28,14 @@ def echo(echo_checkpoint):
 
 
 @pytest.fixture(scope="module")
-def noisy_echo(tmp_path_factory):
+def noisy_echo_path(tmp_path_factory):
+    return write_echo_checkpoint(tmp_path_factory.mktemp("noisy"), mtp_noise=0.3, attn_scale=0.5, seed=1)
+
+
+@pytest.fixture(scope="module")
+def noisy_echo(noisy_echo_path):
     """About 84% of drafts accepted: a mix of full, partial and empty accepts."""
-    return load_model(write_echo_checkpoint(tmp_path_factory.mktemp("noisy"), mtp_noise=0.3, attn_scale=0.5, seed=1))
+    return load_model(noisy_echo_path)
 
 
 def runtime(model, k=2, buckets=(1, 2, 4), **kw) -> Runtime:
@@ -238,7 +243,7 @@ def test_bad_input_is_rejected_and_the_batch_goes_on(noisy_echo, prompt, params,
 
 def test_bad_depth_and_options(noisy_echo):
     rt = runtime(noisy_echo, 2, mtp_depths=(0, 2))
-    with pytest.raises(ValueError, match=r"^mtp_depth: 3 is not one of the captured depths \[0, 2\]$"):
+    with pytest.raises(ValueError, match=r"^mtp_depth: 3 is not one of the captured depths \[0, 2\] \(or 'auto'\)$"):
         rt.mtp_depth = 3
     with pytest.raises(ValueError, match=r"^mtp_depth: must be >= 0, got -1$"):
         runtime(noisy_echo, -1)
@@ -253,3 +258,83 @@ def test_more_requests_than_slots_queue(noisy_echo):
     rt = runtime(noisy_echo, 2, buckets=(1, 2))
     outs = rt.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == reference(noisy_echo, prompts, [12] * len(prompts))
+
+
+def _run_schedule(model, depth_at, joins: dict[int, int], prompts, max_new=40):
+    """Requests join at the given steps; before each step the runtime's depth is set to depth_at(step).
+    Returns each request's tokens, the accepted count of every K > 0 decode step by (request, the
+    committed length it started from), each request's M cache entries and the runtime."""
+    rt = runtime(model, 1, buckets=(1, 2, 4), mtp_depths=(0, 1), max_seq_len=96)
+    index, tokens, accepted, slots, caches = {}, {}, {}, {}, {}
+    step = 0
+    while step == 0 or rt.has_unfinished():
+        for i, at in joins.items():
+            if at == step:
+                index[rt.add_request(prompts[i], SamplingParams(max_new_tokens=max_new, ignore_eos=True))] = i
+        rt.mtp_depth = depth_at(step)
+        for out in rt.step():
+            i = index[out.request_id]
+            if i in tokens and rt.mtp_depth > 0:  # not the prefill's token
+                accepted[i, len(prompts[i]) + len(tokens[i])] = len(out.new_token_ids) - 1
+            tokens.setdefault(i, []).extend(out.new_token_ids)
+            if out.finished:  # M has run over every position but the last committed token's
+                caches[i] = rt.state.mtp_cache[:, slots[i], : len(prompts[i]) + len(tokens[i]) - 1].clone()
+        slots |= {index[r.out.request_id]: r.slot for r in rt._running.values()}
+        step += 1
+    return tokens, accepted, caches, rt
+
+
+@pytest.mark.parametrize("model_name", ["tiny", "noisy_echo"])
+def test_draft_state_stays_current_through_depth_zero(model_name, request):
+    """A stretch of depth-0 steps (longer than the lag window, so M catches up once inside it) with a
+    request joining in the middle and one joining at the switch back: afterwards M's cache, and so
+    the drafts and their acceptance, are those of a run that never left K = 1."""
+    model = request.getfixturevalue(model_name)
+    prompts = prompts_for(model.cfg.vocab_size, [6, 9, 4], seed=11)
+    joins = {0: 0, 1: 12, 2: 23}
+    never_left = _run_schedule(model, lambda step: 1, joins, prompts)
+    switched = _run_schedule(model, lambda step: 0 if 2 <= step < 23 else 1, joins, prompts)
+    assert switched[0] == never_left[0]  # greedy
+    after = {key: a for key, a in switched[1].items() if key[1] > len(prompts[key[0]]) + 22}
+    common = after.keys() & never_left[1].keys()
+    assert len(common) >= 5 and {key: after[key] for key in common} == {key: never_left[1][key] for key in common}
+    for i in joins:
+        torch.testing.assert_close(switched[2][i], never_left[2][i], atol=1e-5, rtol=1e-5)
+    assert switched[3].stats()["graph_replays"]["mtp_catch_up/B2/K0"] >= 1
+
+
+def test_auto_depth_is_greedy_exact_and_tries_every_depth(noisy_echo):
+    prompts = prompts_for(97, [5, 1, 12, 9, 3], seed=5)
+    max_new = [20, 31, 12, 40, 25]
+    rt = runtime(noisy_echo, "auto")
+    assert rt.depths == (0, 1, 2, 3)
+    outs = rt.generate(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in max_new])
+    assert [o.token_ids for o in outs] == reference(noisy_echo, prompts, max_new)
+    histogram = rt.stats()["depth_histogram"]
+    assert set(histogram) == {0, 1, 2, 3} and sum(histogram.values()) == rt.stats()["decode_steps"]
+
+
+@pytest.mark.parametrize("n", [1, 17, 97])
+def test_restricted_draft_vocabulary_keeps_greedy_output_and_drafts_inside_it(noisy_echo_path, n):
+    """draft_vocab: drafts come from the chosen tokens only (drafting outside them would be a bug),
+    and the output is plain greedy decoding's whatever the subset."""
+    model = load_model(noisy_echo_path)
+    subset = torch.randperm(97, generator=torch.Generator().manual_seed(n))[:n]
+    model.restrict_drafts(subset)
+    prompts = prompts_for(97, [5, 1, 12], seed=n)
+    rt = runtime(model, 3, mtp_depths=(0, 3))
+    drafted = set()
+    for p in prompts:
+        rt.add_request(p, SamplingParams(max_new_tokens=20, ignore_eos=True))
+    got: dict[int, list[int]] = {}
+    while rt.has_unfinished():
+        rt.mtp_depth = 0 if len(got) % 3 == 1 else 3
+        for out in rt.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        drafted |= {int(t) for r in rt._running.values() for t in rt.state.drafts[r.slot]}
+    assert [got[i] for i in sorted(got)] == reference(model, prompts, [20] * 3)
+    assert drafted and drafted <= set(subset.tolist())
+    full_vocab_model = load_model(noisy_echo_path)
+    if n == 97:  # every token, in another order: the same drafts as the full head
+        full = runtime(full_vocab_model, 3).generate(prompts, SamplingParams(max_new_tokens=20, ignore_eos=True))
+        assert [o.num_accepted_tokens for o in full] == [o.num_accepted_tokens for o in runtime(model, 3).generate(prompts, SamplingParams(max_new_tokens=20, ignore_eos=True))]

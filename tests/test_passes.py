@@ -465,7 +465,7 @@ def test_command_line_switch(capsys):
 
     from compiled_mtp.cli import _engine_options, main
 
-    args = argparse.Namespace(max_seq_len=None, dtype=None, device=None, backend="inductor", cache_dir=None, disable_pass=["packed_linear"])
+    args = argparse.Namespace(max_seq_len=None, dtype=None, device=None, draft_vocab=None, backend="inductor", cache_dir=None, disable_pass=["packed_linear"])
     assert _engine_options(args, None)["passes"] == ("fold_key_constants", "fuse_draft_sampling", "fuse_verify_sampling", "group_experts", "live_attention", "narrow_linear")
     with pytest.raises(SystemExit):
         main(["generate", "hello", "--disable-pass", "fuse_everything"])

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from ..graphs import steps
-from ..graphs.state import StaticState
+from ..graphs.state import LAG_WINDOW, StaticState
 from ..models.deepseek_v3 import DeepseekV3
 from ..passes.manager import inductor_options
 from . import aot
@@ -47,11 +47,13 @@ def key_name(key: GraphKey) -> str:
 
 def graph_keys(batch_sizes: tuple[int, ...], depths: tuple[int, ...]) -> list[GraphKey]:
     """The keys a runtime with these buckets and depths calls: prefill, then per bucket and depth
-    draft_decode (K >= 2), target_verify and draft_extend (K >= 1), as Runtime._decode runs them."""
+    draft_decode (K >= 2), target_verify and draft_extend (K >= 1), as Runtime._decode runs them, and
+    mtp_catch_up where depth 0 and speculation share a runtime."""
     keys: list[GraphKey] = [("prefill", 1, 0)]
     for b in batch_sizes:
         for k in depths:
             keys += [("draft_decode", b, k)] * (k >= 2) + [("target_verify", b, k)] + [("draft_extend", b, k)] * (k >= 1)
+        keys += [("mtp_catch_up", b, 0)] * (0 in depths and max(depths) > 0)
     return keys
 
 
@@ -73,6 +75,8 @@ def example_inputs(key: GraphKey, model: DeepseekV3, prefill_chunk: int) -> tupl
         return ids(b), ids(b), noise(k - 1)
     if kind == "target_verify":
         return ids(b), ids(b), noise(k + 1)
+    if kind == "mtp_catch_up":
+        return ids(b), ids(b), ids(b), ids(b, LAG_WINDOW), noise(1)
     hidden = torch.zeros(b, k + 1, model.cfg.hidden_size, dtype=dtype, device=device)
     return ids(b), ids(b), ids(b), ids(b, k + 1), hidden, noise(1)
 

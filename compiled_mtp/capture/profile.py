@@ -21,7 +21,7 @@ DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "default_model"
 # The shipped profiles (beside the package in a source checkout, which `make demo` installs in place).
 PROFILES = Path(__file__).resolve().parents[2] / "profiles"
 REQUIRED = ("dtype", "device", "max_seq_len", "batch_sizes", "mtp_depths")
-OPTIONAL = ("model", "prefill_chunk", "description")
+OPTIONAL = ("model", "prefill_chunk", "draft_vocab", "description")
 
 
 class ProfileError(ValueError):
@@ -39,6 +39,7 @@ class Profile:
     batch_sizes: tuple[int, ...]
     mtp_depths: tuple[int, ...]
     prefill_chunk: int = 64
+    draft_vocab: int | None = None  # draft among the checkpoint's N most frequent tokens
     model: Path | None = None
     description: str = ""
 
@@ -52,6 +53,7 @@ class Profile:
             "dtype": self.dtype,
             "device": self.device,
             "prefill_chunk": self.prefill_chunk,
+            "draft_vocab": self.draft_vocab,
         }
 
 
@@ -83,6 +85,7 @@ def load_profile(path: str | Path) -> Profile:
         batch_sizes=_int_list(raw, "batch_sizes", 1, fail),
         mtp_depths=_int_list(raw, "mtp_depths", 0, fail),
         prefill_chunk=_int(raw, "prefill_chunk", 1, fail) if "prefill_chunk" in raw else min(64, max_seq_len),
+        draft_vocab=_int(raw, "draft_vocab", 1, fail) if "draft_vocab" in raw else None,
         model=_model(raw, path, fail),
         description=str(raw.get("description", "")),
     )

@@ -12,6 +12,10 @@ from torch import Tensor, nn
 
 from ..models.deepseek_v3 import DeepseekV3
 
+# Depth-0 steps M may fall behind before it catches up: one M pass over this many rows per that many
+# tokens, against one M pass per token if it kept up every step.
+LAG_WINDOW = 16
+
 
 class StaticState(nn.Module):
     """Buffers (not inputs) so compiled graphs and CUDA graphs see fixed addresses."""
@@ -22,6 +26,7 @@ class StaticState(nn.Module):
     drafts: Tensor  # [slots + 1, K] d_1..d_K of the coming verify
     draft_probs: Tensor  # [slots + 1, K, V] q_1..q_K the drafts were sampled from
     mtp_hidden: Tensor  # [slots + 1, H] M's hidden at the last position it ran
+    lag_hidden: Tensor  # [slots + 1, W, H] T's hiddens at depth-0 steps, by position % W (W = 0 without MTP)
     temperature: Tensor  # [slots + 1] per-request sampling parameters, set at admission
     top_k: Tensor
     top_p: Tensor
@@ -40,7 +45,10 @@ class StaticState(nn.Module):
         depth = max(max_depth, 1)
         self.register_buffer("drafts", torch.zeros(n, depth, dtype=torch.long, device=dev))
         self.register_buffer("draft_probs", torch.zeros(n, depth if max_depth else 0, cfg.vocab_size, device=dev))
-        self.register_buffer("mtp_hidden", torch.zeros(n, cfg.hidden_size, dtype=model.lm_head.weight.dtype, device=dev))
+        dtype = model.lm_head.weight.dtype
+        self.register_buffer("mtp_hidden", torch.zeros(n, cfg.hidden_size, dtype=dtype, device=dev))
+        window = LAG_WINDOW if mtp_layers else 0
+        self.register_buffer("lag_hidden", torch.zeros(n, window, cfg.hidden_size, dtype=dtype, device=dev))
         self.register_buffer("temperature", torch.zeros(n, device=dev))
         self.register_buffer("top_k", torch.zeros(n, dtype=torch.long, device=dev))
         self.register_buffer("top_p", torch.ones(n, device=dev))
@@ -48,6 +56,11 @@ class StaticState(nn.Module):
             # CUDA-graph replay reads and writes these in place: their addresses must never change.
             for buf in self.buffers():
                 torch._dynamo.mark_static_address(buf)
+
+    @property
+    def lag_window(self) -> int:
+        """How many depth-0 steps M may fall behind before it must catch up (0: no MTP layers)."""
+        return self.lag_hidden.shape[1]
 
     @property
     def scratch_slot(self) -> int:

@@ -50,24 +50,32 @@ def prefill(model: DeepseekV3, state: StaticState, tokens: Tensor, next_tokens: 
     return first
 
 
+def _draft(model: DeepseekV3, state: StaticState, slots: Tensor, hidden: Tensor, u: Tensor, depth: int) -> None:
+    """Draft d_{depth + 1} from M's hidden and remember it with q. A restricted draft vocabulary
+    samples among its tokens; q, over the whole vocabulary, is 0 elsewhere, so verification stays exact."""
+    token, probs = draft_sample(model.draft_logits(hidden), *_params(state, slots), u)
+    if model.draft_ids is not None:
+        token = model.draft_ids[token]
+        probs = probs.new_zeros(probs.shape[0], state.draft_probs.shape[-1]).index_copy(1, model.draft_ids, probs)
+    _store_draft(state, slots, depth, token, probs)
+
+
 def _draft_from(model: DeepseekV3, state: StaticState, slots: Tensor, hidden: Tensor, u: Tensor) -> None:
     """d_1 and q_1 from M's hidden at the last committed position; remembered for draft_decode."""
-    token, probs = draft_sample(model.logits(hidden), *_params(state, slots), u)
-    _store_draft(state, slots, 0, token, probs)
+    _draft(model, state, slots, hidden, u, 0)
     state.mtp_hidden[slots] = hidden
 
 
 def draft_decode(model: DeepseekV3, state: StaticState, slots: Tensor, seq_lens: Tensor, noise: Tensor) -> None:
     """Drafts d_2..d_K (K - 1 = noise.shape[1] steps): depth j runs MTP layer j % layers at position
     seq_len - 2 + j on d_j and M's own previous hidden."""
-    hidden, token = state.mtp_hidden[slots], state.drafts[slots, 0]
-    params = _params(state, slots)
+    hidden = state.mtp_hidden[slots]
     for j in range(1, noise.shape[1] + 1):
         positions, write = _rows(state, slots, (seq_lens - 2 + j)[:, None])
         layer = j % model.num_mtp_layers
+        token = state.drafts[slots, j - 1]
         hidden = model.forward_mtp(layer, token[:, None], hidden[:, None], positions, write, slots, state.mtp_cache)[:, 0]
-        token, probs = draft_sample(model.logits(hidden), *params, noise[:, j - 1])
-        _store_draft(state, slots, j, token, probs)
+        _draft(model, state, slots, hidden, noise[:, j - 1], j)
 
 
 def target_verify(model: DeepseekV3, state: StaticState, slots: Tensor, seq_lens: Tensor, noise: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -79,6 +87,9 @@ def target_verify(model: DeepseekV3, state: StaticState, slots: Tensor, seq_lens
     tokens = torch.cat([state.last_token[slots][:, None], drafts], dim=1)
     positions, write = _rows(state, slots, block_positions(seq_lens - 1, k + 1))
     h = model.forward_target(tokens, positions, write, slots, state.target_cache)
+    if k == 0 and state.lag_hidden.shape[1]:
+        # M skips depth-0 steps; mtp_catch_up runs it later over the hiddens kept here.
+        state.lag_hidden[slots, (seq_lens - 1) % state.lag_hidden.shape[1]] = h[:, 0]
     accepted, committed = verify_sample(model.logits(h), *_params(state, slots), drafts, state.draft_probs[slots, :k], noise)
     state.last_token[slots] = committed.gather(1, accepted[:, None])[:, 0]
     return accepted, committed, h
@@ -91,3 +102,19 @@ def draft_extend(model: DeepseekV3, state: StaticState, slots: Tensor, seq_lens:
     positions, write = _rows(state, slots, block_positions(seq_lens - 1, committed.shape[1]))
     m = model.forward_mtp(0, committed, hidden, positions, write, slots, state.mtp_cache)
     _draft_from(model, state, slots, gather_rows(m, accepted), noise[:, 0])
+
+
+def mtp_catch_up(model: DeepseekV3, state: StaticState, slots: Tensor, seq_lens: Tensor, lags: Tensor, tokens: Tensor, noise: Tensor) -> None:
+    """M over the positions depth-0 steps left it behind on, then d_1 from the last one. The block is
+    the W = tokens.shape[1] positions before seq_len - 1; only each request's last `lags` of them run
+    (T's hiddens kept by target_verify at K=0), the other rows write nowhere. tokens [B, W]: the
+    committed token one past each position. A request with lag 0 keeps its hidden and redraws d_1
+    from it. noise [B, 1]."""
+    w = tokens.shape[1]
+    positions = block_positions(seq_lens - 1 - w, w)
+    behind = positions >= (seq_lens - 1 - lags)[:, None]
+    positions, write = _rows(state, slots, positions.clamp(min=0), behind)
+    hidden = state.lag_hidden[slots[:, None], positions % w]
+    m = model.forward_mtp(0, tokens, hidden, positions, write, slots, state.mtp_cache)
+    last = torch.where((lags > 0)[:, None], m[:, -1], state.mtp_hidden[slots])
+    _draft_from(model, state, slots, last, noise[:, 0])

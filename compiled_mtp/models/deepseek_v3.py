@@ -331,6 +331,23 @@ class DeepseekV3(nn.Module):
         self.model = Backbone(cfg)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         self.rope = Rope(cfg)
+        self.draft_head: Linear | None = None  # the LM head's rows for draft_ids (restrict_drafts)
+        self.draft_ids: Tensor | None
+        self.register_buffer("draft_ids", None)
+
+    def restrict_drafts(self, token_ids: Tensor) -> None:
+        """Draft only among `token_ids` (FR-Spec): the draft steps score those rows of the LM head,
+        copied into a head of their own so a draft step reads only them."""
+        w = self.lm_head.weight
+        ids = torch.as_tensor(token_ids, dtype=torch.long, device=w.device)
+        self.draft_head = Linear(self.cfg.hidden_size, len(ids)).to(device=w.device, dtype=w.dtype)
+        self.draft_head.weight.copy_(w[ids])
+        self.draft_ids = ids
+
+    def draft_logits(self, hidden: Tensor) -> Tensor:
+        """Logits over the draft vocabulary: every token, or draft_ids' when restricted."""
+        head = self.lm_head if self.draft_head is None else self.draft_head
+        return head(hidden).float()
 
     @property
     def num_mtp_layers(self) -> int:

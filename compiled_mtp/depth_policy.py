@@ -1,0 +1,93 @@
+"""`mtp_depth="auto"`: each decode step's depth, chosen from measured step cost and live acceptance.
+
+Before a step the runtime asks for the depth K, among the captured ones, that maximises expected
+committed tokens per second for the batch now running:
+
+    value(K) = sum over requests of min(E_K(request), tokens it still wants) / cost(bucket, K)
+
+E_K = 1 + a_1 + a_1 a_2 + ... + a_1..a_K, where a_j is the request's chance that draft j is accepted
+given that draft j - 1 was: an exponential moving average over the request's own steps, started from
+the runtime's history (accepted over proposed at each position, smoothed towards the position before).
+cost(bucket, K) is a moving average of the wall time of the decode steps the runtime ran with that key,
+the first one left out (it compiles or loads the graphs). A key never run is tried before any choice
+is made from the others, so every cost is measured, never typed in. The depth changes only when
+another's value beats the current one's by `margin` (hysteresis).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+from typing import Sequence
+
+Key = tuple[int, int]  # (bucket, depth)
+
+
+def expected_tokens(rates: Sequence[float], depth: int) -> float:
+    """Expected tokens a step at `depth` commits, for conditional acceptance rates per position."""
+    total, reach = 1.0, 1.0
+    for rate in rates[:depth]:
+        reach *= rate
+        total += reach
+    return total
+
+
+class DepthPolicy:
+    """Chooses decode depths and learns from each step's acceptance and wall time."""
+
+    def __init__(self, depths: Sequence[int], *, request_alpha: float = 0.3, cost_alpha: float = 0.2, margin: float = 0.03) -> None:
+        self.depths = tuple(sorted(depths))
+        self.request_alpha = request_alpha
+        self.cost_alpha = cost_alpha
+        self.margin = margin
+        self.current = self.depths[-1]
+        self._cost: dict[Key, float] = {}
+        self._seen: Counter[Key] = Counter()
+        width = self.depths[-1]
+        self._proposed = [0] * width
+        self._accepted = [0] * width
+
+    def prior(self) -> list[float]:
+        """Acceptance per position from every step so far, each smoothed towards the one before."""
+        rates, previous = [], 0.5
+        for proposed, accepted in zip(self._proposed, self._accepted):
+            previous = (accepted + 2 * previous) / (proposed + 2)
+            rates.append(previous)
+        return rates
+
+    def observe(self, rates: list[float], depth: int, accepted: int) -> None:
+        """One request's step at `depth` with `accepted` drafts accepted: update its rates in place and
+        the history. Positions past the first rejection were not tested and stay as they were."""
+        for j in range(min(accepted + 1, depth)):
+            hit = j < accepted
+            self._proposed[j] += 1
+            self._accepted[j] += hit
+            rates[j] += self.request_alpha * (hit - rates[j])
+
+    def record_cost(self, bucket: int, depth: int, seconds: float) -> None:
+        key = (bucket, depth)
+        self._seen[key] += 1
+        if self._seen[key] == 1:
+            return  # the first call of a key compiles or loads its graphs
+        old = self._cost.get(key)
+        self._cost[key] = seconds if old is None else old + self.cost_alpha * (seconds - old)
+
+    def choose(self, bucket: int, rates: Sequence[Sequence[float]], remaining: Sequence[int]) -> int:
+        """The depth for the next step of a batch in `bucket`: its requests' rates and wanted tokens."""
+        untried = [k for k in self.depths if (bucket, k) not in self._cost]
+        if untried:
+            return untried[0]
+        value = {k: sum(min(expected_tokens(r, k), n) for r, n in zip(rates, remaining)) / self._cost[bucket, k] for k in self.depths}
+        best = max(self.depths, key=lambda k: value[k])
+        if value[best] > value[self.current] * (1 + self.margin):
+            self.current = best
+        return self.current
+
+
+def depth_arg(text: str) -> int | str:
+    """A command line's depth: an integer >= 0 or "auto"."""
+    if text == "auto":
+        return text
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0 or 'auto', got {text!r}")
+    return int(text)

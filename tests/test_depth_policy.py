@@ -1,0 +1,94 @@
+"""mtp_depth="auto": the depth policy's choices from measured costs and acceptance (the engine's
+greedy exactness and distribution under auto are in test_engine.py and test_distribution.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from compiled_mtp.depth_policy import DepthPolicy, expected_tokens
+
+rates_st = st.lists(st.floats(0, 1), min_size=4, max_size=4)
+
+
+@given(rates=rates_st, depth=st.integers(0, 4))
+def test_expected_tokens_sums_the_chances_of_reaching_each_position(rates, depth):
+    brute = 1 + sum(math.prod(rates[: j + 1]) for j in range(depth))
+    assert expected_tokens(rates, depth) == pytest.approx(brute)
+    assert 1 <= expected_tokens(rates, depth) <= depth + 1
+    assert expected_tokens(rates, depth) >= expected_tokens(rates, max(depth - 1, 0))
+
+
+def _measured(policy: DepthPolicy, bucket: int, costs: dict[int, float]) -> None:
+    for k, seconds in costs.items():
+        policy.record_cost(bucket, k, 100.0)  # the first call compiles: never counted
+        policy.record_cost(bucket, k, seconds)
+
+
+def test_every_depth_is_measured_before_any_is_chosen_on_merit():
+    policy = DepthPolicy((0, 1, 3))
+    tried = []
+    for _ in range(6):
+        k = policy.choose(1, [[0.9] * 3], [100])
+        tried.append(k)
+        policy.record_cost(1, k, 0.001)
+    assert tried == [0, 0, 1, 1, 3, 3]
+    assert policy.choose(2, [[0.9] * 3], [100]) == 0  # another bucket is measured on its own
+
+
+@given(
+    costs=st.lists(st.floats(1e-4, 1e-2), min_size=4, max_size=4),
+    rates=st.lists(rates_st, min_size=1, max_size=4),
+    remaining=st.lists(st.integers(1, 64), min_size=4, max_size=4),
+    current=st.integers(0, 3),
+)
+def test_choice_is_the_best_value_unless_the_current_one_is_within_the_margin(costs, rates, remaining, current):
+    policy = DepthPolicy((0, 1, 2, 3), margin=0.03)
+    _measured(policy, 4, dict(enumerate(costs)))
+    policy.current = current
+    remaining = remaining[: len(rates)]
+    value = {k: sum(min(expected_tokens(r, k), n) for r, n in zip(rates, remaining)) / costs[k] for k in range(4)}
+    chosen = policy.choose(4, rates, remaining)
+    best = max(value.values())
+    if value[current] * 1.03 >= best:
+        assert chosen == current
+    else:
+        assert value[chosen] == best
+
+
+def test_speculation_is_chosen_when_it_pays_and_dropped_when_it_does_not():
+    policy = DepthPolicy((0, 1, 2, 3))
+    _measured(policy, 1, {0: 1.0, 1: 1.3, 2: 1.5, 3: 1.7})
+    assert policy.choose(1, [[0.9, 0.8, 0.7]], [100]) == 3  # 3.23 tokens for 1.7 against 1 for 1.0
+    assert policy.choose(1, [[0.1, 0.1, 0.1]], [100]) == 0  # drafts rejected: K=0 wins
+    assert policy.choose(1, [[0.9, 0.8, 0.7]], [1]) == 0  # one token left: drafting cannot help
+
+
+def test_costs_follow_the_measurements():
+    policy = DepthPolicy((0, 2), cost_alpha=0.5)
+    _measured(policy, 1, {0: 1.0, 2: 1.2})
+    assert policy.choose(1, [[0.5, 0.5]], [100]) == 2  # 1.75 / 1.2 > 1 / 1.0
+    for _ in range(8):  # depth 2 became slow: its cost moves to the new measurements
+        policy.record_cost(1, 2, 3.0)
+    assert policy.choose(1, [[0.5, 0.5]], [100]) == 0
+
+
+@given(accepted=st.integers(0, 3), depth=st.integers(1, 3), rates=rates_st)
+def test_observe_updates_only_the_tested_positions(accepted, depth, rates):
+    accepted = min(accepted, depth)
+    policy = DepthPolicy((0, 1, 2, 3, 4))
+    before = list(rates)
+    policy.observe(rates, depth, accepted)
+    tested = min(accepted + 1, depth)
+    for j in range(4):
+        if j >= tested:
+            assert rates[j] == before[j]
+        elif j < accepted:
+            assert before[j] <= rates[j] <= 1
+        else:
+            assert 0 <= rates[j] <= before[j]
+    prior = policy.prior()
+    assert len(prior) == 4 and all(0 < p < 1 for p in prior)

@@ -5,8 +5,12 @@ What it measures (greedy decoding throughout, the same prompts for every system)
 - acceptance on held-out text: for each K > 0, a fresh runtime at depth K generates from every
   acceptance prompt; its `stats()` give the acceptance length (tokens per request and decode step)
   and the acceptance rate per draft position;
-- tokens/s of the engine for each (K, B): one untimed run warms the key up (compiles its graphs), then
-  the best of `--runs` runs, B * new tokens / wall seconds of the whole run (prefill included). Host
+- tokens/s of the engine for each (K, B), and with `mtp_depth="auto"` (each step's depth chosen among
+  the measured ones): one untimed run per system warms the key up (compiles its graphs; auto also learns
+  its costs there), then `--runs` rounds in which every system runs once in turn, so a change in
+  memory speed meets them all; the best run counts, B * new tokens / wall seconds of the whole run
+  (prefill included). Each row's speedup over K=0 at its B is set beside the bandwidth bound's
+  speedup and the fraction of it achieved. Host
   time per iteration is stats()["host_seconds"] / decode steps over the decode-only steps of the best
   run (every step after the first, which prefills all B prompts); its share is that over the
   decode-only wall time per step;
@@ -48,6 +52,7 @@ from .capture.compiler import BACKENDS
 from .capture.profile import DEFAULT_MODEL
 from .passes.manager import add_pass_switch, without
 from .models.checkpoint import load_model
+from .models.draft_vocab import read_ranking
 from .models.deepseek_v3 import DeepseekV3, Experts
 from .runtime import DTYPES, Runtime, SamplingParams
 
@@ -80,6 +85,7 @@ class Meta:
     prompt_source: str  # "held-out" or "random"
     prompts: str  # where the prompts came from, for people
     accept_prompts: int
+    draft_vocab: int | None = None  # drafts among this many most frequent tokens (None: all)
     hf_attention: str = ""
     compiles: int = 0
     recompiles: int = 0
@@ -99,9 +105,9 @@ class Acceptance:
 
 @dataclass
 class EngineRun:
-    """compiled_mtp at depth K and batch B."""
+    """compiled_mtp at depth K (or "auto") and batch B."""
 
-    k: int
+    k: int | str
     batch: int
     tokens_per_s: float  # B * new tokens / best wall seconds (prefill included)
     seconds: float  # best run
@@ -111,6 +117,10 @@ class EngineRun:
     acceptance_length: float  # tokens per request and decode step over the timed runs
     decode_steps: int  # of the best run
     bound_tokens_per_s: float = 0.0  # the memory-bandwidth bound at this K, B and acceptance length
+    speedup: float = 0.0  # tokens_per_s over K=0's at this B
+    bound_speedup: float = 0.0  # bound_tokens_per_s over K=0's
+    bound_fraction: float = 0.0  # speedup / bound_speedup
+    depth_histogram: dict[int, int] | None = None  # auto: decode steps run at each depth, timed runs
 
 
 @dataclass
@@ -235,12 +245,13 @@ class _Timing:
     decode_seconds: float
     decode_steps: int
     host_seconds: float
+    request_steps: int  # every decode step's, the one beside the prefill included
 
 
 def _generate(rt: Runtime, prompts: list[list[int]], params: SamplingParams) -> _Timing:
     """Run `prompts` to completion through `step()`. They all fit the largest bucket, so the first step
     prefills every prompt and the later ones only decode: those give the per-iteration figures."""
-    start = time.perf_counter()
+    start, initial = time.perf_counter(), rt.stats()["request_steps"]
     for prompt in prompts:
         rt.add_request(prompt, params)
     rt.step()
@@ -248,7 +259,10 @@ def _generate(rt: Runtime, prompts: list[list[int]], params: SamplingParams) -> 
     while rt.has_unfinished():
         rt.step()
     end, after = time.perf_counter(), rt.stats()
-    return _Timing(end - start, end - first, after["decode_steps"] - before["decode_steps"], after["host_seconds"] - before["host_seconds"])
+    return _Timing(
+        end - start, end - first, after["decode_steps"] - before["decode_steps"], after["host_seconds"] - before["host_seconds"],
+        after["request_steps"] - initial,
+    )
 
 
 def measure_acceptance(rt: Runtime, prompts: list[list[int]], new_tokens: int) -> Acceptance:
@@ -259,19 +273,11 @@ def measure_acceptance(rt: Runtime, prompts: list[list[int]], new_tokens: int) -
     return Acceptance(rt.mtp_depth, s["acceptance_length"], rate, s["acceptance_rate_per_position"], s["draft_tokens"], s["accepted_tokens"])
 
 
-def time_engine(rt: Runtime, prompts: list[list[int]], new_tokens: int, runs: int) -> EngineRun:
-    """The best of `runs` runs, after one that warms the key (B, K) up (it may compile its graphs)."""
-    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    _generate(rt, prompts, params)
-    drafted = rt.stats()["draft_tokens"]
-    timings = [_generate(rt, prompts, params) for _ in range(runs)]
-    k, b = rt.mtp_depth, len(prompts)
-    acceptance_length = 1.0
-    if k:
-        # Every request emits new_tokens - 1 tokens in decode steps (the first comes from its prefill),
-        # and each request-step at depth K drafts K tokens.
-        request_steps = (rt.stats()["draft_tokens"] - drafted) / k
-        acceptance_length = b * (new_tokens - 1) * runs / request_steps
+def engine_run(k: int | str, prompts: list[list[int]], new_tokens: int, timings: list[_Timing]) -> EngineRun:
+    """The best of `timings` (runs of the same prompts at depth k)."""
+    b = len(prompts)
+    # Every request emits new_tokens - 1 tokens in decode steps (the first comes from its prefill).
+    acceptance_length = b * (new_tokens - 1) * len(timings) / sum(t.request_steps for t in timings)
     best = min(timings, key=lambda t: t.seconds)
     iteration = best.decode_seconds / best.decode_steps
     host = best.host_seconds / best.decode_steps
@@ -280,26 +286,49 @@ def time_engine(rt: Runtime, prompts: list[list[int]], new_tokens: int, runs: in
     )
 
 
-def bench_engine(model: DeepseekV3, prompts: Prompts, args: argparse.Namespace) -> tuple[list[Acceptance], list[EngineRun], int, int]:
-    """Acceptance and timings for every depth, each depth on its own runtime (so its stats() hold only
-    that depth). Returns (acceptance, runs, compiles, recompiles)."""
-    acceptance, runs, compiles, recompiles = [], [], 0, 0
-    for k in args.depths:
-        rt = Runtime(
-            model, mtp_depth=k, batch_sizes=args.batch_sizes, max_seq_len=args.prompt_len + args.new_tokens,
+def _runtimes(model: DeepseekV3, args: argparse.Namespace) -> dict[int | str, Runtime]:
+    """One runtime per depth, so each one's stats() hold only that depth, and one at "auto" over them
+    all (when there is more than one). Depth 0 alone loads no MTP state, as `mtp_depth=0` does."""
+    systems = list(args.depths) + ["auto"] * (len(args.depths) > 1 and max(args.depths) > 0)
+    return {
+        k: Runtime(
+            model, mtp_depth=k, mtp_depths=args.depths if k == "auto" else None, batch_sizes=args.batch_sizes,
+            max_seq_len=args.prompt_len + args.new_tokens,
             prefill_chunk=min(64, args.prompt_len),  # the runtime's default chunk, which must fit max_seq_len
-            compile_backend=args.backend, cache_dir=args.cache_dir,
-            passes=without(args.disable_pass),
+            compile_backend=args.backend, cache_dir=args.cache_dir, passes=without(args.disable_pass),
         )
-        if k > 0:
+        for k in systems
+    }
+
+
+def bench_engine(model: DeepseekV3, prompts: Prompts, args: argparse.Namespace) -> tuple[list[Acceptance], list[EngineRun], int, int]:
+    """Acceptance at every depth, then timings: per B, each system warmed up, then `runs` rounds in
+    which the systems take turns. Returns (acceptance, runs, compiles, recompiles)."""
+    runtimes = _runtimes(model, args)
+    acceptance = []
+    for k, rt in runtimes.items():
+        if k != "auto" and k > 0:
             acceptance.append(measure_acceptance(rt, prompts.token_ids[: args.accept_prompts], args.new_tokens))
             print(f"  K={k}: acceptance length {acceptance[-1].acceptance_length:.2f}", flush=True)
-        for b in args.batch_sizes:
-            runs.append(time_engine(rt, prompts.token_ids[:b], args.new_tokens, args.runs))
+    params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+    runs = []
+    for b in args.batch_sizes:
+        batch = prompts.token_ids[:b]
+        for rt in runtimes.values():
+            _generate(rt, batch, params)
+        timings: dict[int | str, list[_Timing]] = {k: [] for k in runtimes}
+        depths_before = runtimes.get("auto") and runtimes["auto"].stats()["depth_histogram"]
+        for _ in range(args.runs):
+            for k, rt in runtimes.items():
+                timings[k].append(_generate(rt, batch, params))
+        for k, rt in runtimes.items():
+            runs.append(engine_run(k, batch, args.new_tokens, timings[k]))
+            if k == "auto":
+                after = rt.stats()["depth_histogram"]
+                runs[-1].depth_histogram = {d: n - depths_before.get(d, 0) for d, n in after.items() if n > depths_before.get(d, 0)}
             print(f"  K={k} B={b}: {runs[-1].tokens_per_s:.1f} tok/s", flush=True)
-        stats = rt.stats()
-        compiles, recompiles = compiles + stats["compiles"], recompiles + stats["recompiles"]
-    return acceptance, runs, compiles, recompiles
+    stats = [rt.stats() for rt in runtimes.values()]
+    return acceptance, runs, sum(s["compiles"] for s in stats), sum(s["recompiles"] for s in stats)
 
 
 # ------------------------------------------------------------------------------------------ HF
@@ -353,14 +382,16 @@ def _layer_bytes(layer: torch.nn.Module, num_experts_per_tok: int) -> int:
 
 def weight_bytes(model: DeepseekV3) -> tuple[int, list[int]]:
     """(bytes one target forward reads, bytes one draft step reads per MTP layer), in the runtime dtype.
-    A token reads one embedding row; a draft step also projects through the shared LM head."""
+    A token reads one embedding row; a draft step also projects through the shared LM head (or the
+    draft head of a restricted draft vocabulary)."""
     cfg, layers = model.cfg, model.model.layers
     row = model.model.embed_tokens.weight[0].nbytes
     head = model.lm_head.weight.nbytes
     norm = model.model.norm.weight.nbytes
     k = cfg.num_experts_per_tok or 0
     target = row + sum(_layer_bytes(layer, k) for layer in layers[: cfg.num_hidden_layers]) + norm + head
-    mtp = [row + _layer_bytes(layer, k) + head for layer in layers[cfg.num_hidden_layers :]]
+    draft_head = head if model.draft_head is None else model.draft_head.weight.nbytes
+    mtp = [row + _layer_bytes(layer, k) + draft_head for layer in layers[cfg.num_hidden_layers :]]
     return target, mtp
 
 
@@ -385,27 +416,63 @@ def bandwidth_bound(target: int, mtp: list[int], bandwidth: float, copy_bytes: i
     return Bound(copy_bytes, bandwidth, target, mtp, steps)
 
 
+def add_bounds(engine: list[EngineRun], bound: Bound) -> None:
+    """Each row's bandwidth bound, and its speedup over K=0 at its B beside the bound's. Auto's bound is
+    the best fixed depth's at its B."""
+    for e in engine:
+        if e.k != "auto":
+            e.bound_tokens_per_s = e.batch * e.acceptance_length * bound.steps_per_s[e.k]
+    for e in engine:
+        fixed = [r for r in engine if r.batch == e.batch and r.k != "auto"]
+        if e.k == "auto":
+            e.bound_tokens_per_s = max(r.bound_tokens_per_s for r in fixed)
+        base = _engine_row(engine, 0, e.batch)
+        if base is not None:
+            e.speedup = e.tokens_per_s / base.tokens_per_s
+            e.bound_speedup = e.bound_tokens_per_s / base.bound_tokens_per_s
+            e.bound_fraction = e.speedup / e.bound_speedup
+
+
 # ------------------------------------------------------------------------------------------ report
 
 
-def _engine_row(runs: list[EngineRun], k: int, b: int) -> EngineRun | None:
+def _engine_row(runs: list[EngineRun], k: int | str, b: int) -> EngineRun | None:
     return next((r for r in runs if r.k == k and r.batch == b), None)
 
 
-def _speedup_goal(runs: list[EngineRun], b: int, goal: float) -> Goal:
+def _speedup_goal(runs: list[EngineRun], b: int, goal: float) -> list[Goal]:
+    """Best configuration (auto included) over K=0 at B, and the fraction of its bound's speedup."""
     name = f"best K vs K=0 at B={b}"
     base = _engine_row(runs, 0, b)
     rows = [r for r in runs if r.batch == b]
     if base is None:
-        return Goal(f"speedup_b{b}", name, None, goal, None, f"not measured (needs K=0 and B={b})")
+        return [Goal(f"speedup_b{b}", name, None, goal, None, f"not measured (needs K=0 and B={b})")]
     best = max(rows, key=lambda r: r.tokens_per_s)
-    value = best.tokens_per_s / base.tokens_per_s
-    return Goal(f"speedup_b{b}", name, value, goal, value >= goal, f"K={best.k}: {best.tokens_per_s:.1f} vs {base.tokens_per_s:.1f} tok/s")
+    detail = f"K={best.k}: {best.tokens_per_s:.1f} vs {base.tokens_per_s:.1f} tok/s"
+    fraction = f"K={best.k}: {best.speedup:.2f}x of a bound of {best.bound_speedup:.2f}x"
+    return [
+        Goal(f"speedup_b{b}", name, best.speedup, goal, best.speedup >= goal, detail),
+        Goal(f"bound_fraction_b{b}", f"{name}, share of its bound", best.bound_fraction, 0.8, best.bound_fraction >= 0.8, fraction),
+    ]
+
+
+def _auto_goals(runs: list[EngineRun]) -> list[Goal]:
+    """Auto against the best fixed depth at every B (>= 0.97x), and against K=0 where no K > 0 beats
+    it (>= 0.98x)."""
+    out = []
+    for auto in (r for r in runs if r.k == "auto"):
+        fixed = [r for r in runs if r.batch == auto.batch and r.k != "auto"]
+        best = max(fixed, key=lambda r: r.tokens_per_s)
+        goal = 0.98 if best.k == 0 else 0.97
+        value = auto.tokens_per_s / best.tokens_per_s
+        detail = f"{auto.tokens_per_s:.1f} vs K={best.k} {best.tokens_per_s:.1f} tok/s; steps per depth {auto.depth_histogram}"
+        out.append(Goal(f"auto_b{auto.batch}", f"auto vs best fixed K at B={auto.batch}", value, goal, value >= goal, detail))
+    return out
 
 
 def goals(result: BenchResult) -> list[Goal]:
     """The ratios the issue's goals are about, then best K against HF generate at each B for context."""
-    out = [_speedup_goal(result.engine, 1, 2.0), _speedup_goal(result.engine, 4, 1.5)]
+    out = _speedup_goal(result.engine, 1, 1.8) + _speedup_goal(result.engine, 4, 1.3) + _auto_goals(result.engine)
     hf_mtp = next((h for h in result.hf if h.k > 0), None)
     best1 = max((r for r in result.engine if r.batch == 1), key=lambda r: r.tokens_per_s, default=None)
     name = "best K at B=1 vs HF generate(use_mtp=True)"
@@ -431,17 +498,22 @@ def print_report(r: BenchResult) -> None:
     """The tables and the goals, for people."""
     m, bound = r.meta, r.bound
     print(f"\ncompiled_mtp bench: {m.model}")
-    print(f"device: {m.device} ({m.device_name}); {m.dtype}; backend {m.backend}; {m.new_tokens} new tokens, greedy; best of {m.runs}")
+    drafts = f"; drafts among the {m.draft_vocab} most frequent tokens" if m.draft_vocab else ""
+    print(f"device: {m.device} ({m.device_name}); {m.dtype}; backend {m.backend}; {m.new_tokens} new tokens, greedy; best of {m.runs}{drafts}")
     print(f"prompts: {m.prompts}")
     print(f"\nacceptance on {m.accept_prompts} prompts")
     print(f"{'K':>3}{'acc len':>9}{'rate':>7}  per position")
     for a in r.acceptance:
         print(f"{a.k:>3}{a.acceptance_length:>9.2f}{a.acceptance_rate:>7.2f}  " + " ".join(f"{p:.2f}" for p in a.per_position))
-    print(f"\n{'system':<30}{'B':>3}{'tok/s':>10}{'bound':>10}{'ms/iter':>9}{'host ms':>9}{'host %':>8}{'acc len':>9}")
+    print(
+        f"\n{'system':<30}{'B':>3}{'tok/s':>10}{'bound':>10}{'ms/iter':>9}{'host ms':>9}{'host %':>8}{'acc len':>9}"
+        f"{'vs K=0':>8}{'bound':>7}{'of it':>7}"
+    )
     for e in r.engine:
         print(
             f"{'compiled_mtp K=' + str(e.k):<30}{e.batch:>3}{e.tokens_per_s:>10.1f}{e.bound_tokens_per_s:>10.0f}{e.iteration_ms:>9.2f}"
             f"{e.host_ms:>9.3f}{100 * e.host_share:>8.1f}{e.acceptance_length:>9.2f}"
+            f"{e.speedup:>7.2f}x{e.bound_speedup:>6.2f}x{100 * e.bound_fraction:>6.0f}%"
         )
     for h in r.hf:
         acc = f"{'':>36}{h.acceptance_length:>9.2f}" if h.acceptance_length is not None else ""
@@ -454,8 +526,9 @@ def print_report(r: BenchResult) -> None:
     print(f"compiles {m.compiles}, recompiles {m.recompiles}")
     print("\ngoals:")
     for g in r.goals:
-        value = "n/a" if g.value is None else f"{100 * g.value:.0f}%" if g.id == "k1_acceptance" else f"{g.value:.2f}x"
-        target = "" if g.goal is None else f"goal >= {100 * g.goal:.0f}%" if g.id == "k1_acceptance" else f"goal >= {g.goal:g}x"
+        percent = g.id == "k1_acceptance" or g.id.startswith("bound_fraction")
+        value = "n/a" if g.value is None else f"{100 * g.value:.0f}%" if percent else f"{g.value:.2f}x"
+        target = "" if g.goal is None else f"goal >= {100 * g.goal:.0f}%" if percent else f"goal >= {g.goal:g}x"
         verdict = "" if g.met is None else "met" if g.met else "NOT met"
         print(f"  {g.name:<44}{value:>8}  {target:<13}{verdict:<8}{g.detail}")
 
@@ -470,11 +543,14 @@ def plot(r: BenchResult, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 5))
     for i, b in enumerate(r.meta.batch_sizes):
-        rows = [e for e in r.engine if e.batch == b]
+        rows = [e for e in r.engine if e.batch == b and e.k != "auto"]
         ks = [e.k for e in rows]
         color = f"C{i}"
         ax.plot(ks, [e.tokens_per_s for e in rows], "o-", color=color, label=f"compiled_mtp B={b}")
         ax.plot(ks, [e.bound_tokens_per_s for e in rows], ":", color=color, label=f"bandwidth bound B={b}")
+        auto = _engine_row(r.engine, "auto", b)
+        if auto is not None:
+            ax.axhline(auto.tokens_per_s, ls="-.", color=color, label=f"compiled_mtp auto B={b}")
         for h in r.hf:
             if h.batch == b and h.k == 0:
                 ax.axhline(h.tokens_per_s, ls="--", color=color, label=f"HF generate B={b}")
@@ -522,6 +598,8 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError("prompt-len, accept-prompts and copy-mb: must be >= 1")
     if not (args.model / "config.json").exists():
         raise ValueError(f"model: {args.model} has no config.json")
+    if args.draft_vocab is not None and args.draft_vocab < 1:
+        raise ValueError(f"draft-vocab: must be >= 1, got {args.draft_vocab}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -532,8 +610,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=tuple(DTYPES), help="engine and HF dtype (default: float32)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per request (default: 128)")
-    parser.add_argument("--depths", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="MTP depths K (default: 0 1 2 3 4)")
+    parser.add_argument("--depths", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="MTP depths K; a row at mtp_depth=\"auto\" over them is added (default: 0 1 2 3 4)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16], help="batch sizes B (default: 1 4 16)")
+    parser.add_argument(
+        "--draft-vocab", type=int, metavar="N", help="draft among the model's N most frequent tokens (default: every token)"
+    )
     parser.add_argument("--runs", type=int, default=3, help="timed runs per row after a warm-up; the best counts (default: 3)")
     parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (default: 64)")
     parser.add_argument("--accept-prompts", type=int, default=24, help="prompts for the acceptance measurement (default: 24)")
@@ -552,13 +633,15 @@ def run(args: argparse.Namespace) -> None:
         raise SystemExit(f"error: {MATPLOTLIB_MISSING if e.name == 'matplotlib' else e}") from None
     args.depths, args.batch_sizes = sorted(set(args.depths)), sorted(set(args.batch_sizes))
     model = load_model(args.model, dtype=DTYPES[args.dtype], device=args.device, with_mtp=max(args.depths) > 0)
+    if args.draft_vocab is not None:
+        model.restrict_drafts(torch.tensor(read_ranking(args.model, model.cfg.vocab_size)[: args.draft_vocab]))
     prompts = bench_prompts(args.model, model.cfg.vocab_size, max(args.accept_prompts, max(args.batch_sizes)), args.prompt_len)
     meta = Meta(
         model=str(args.model), device=args.device, device_name=device_name(args.device), dtype=args.dtype, backend=args.backend,
         threads=torch.get_num_threads(), torch=torch.__version__, transformers=hf_version, python=platform.python_version(),
         date=datetime.datetime.now().isoformat(timespec="seconds"), new_tokens=args.new_tokens, prompt_len=args.prompt_len,
         runs=args.runs, depths=args.depths, batch_sizes=args.batch_sizes, prompt_source=prompts.source, prompts=prompts.detail,
-        accept_prompts=args.accept_prompts,
+        accept_prompts=args.accept_prompts, draft_vocab=args.draft_vocab,
     )
     print(f"benchmarking {args.model} on {meta.device_name}; prompts: {prompts.detail}", flush=True)
     target_bytes, mtp_bytes = weight_bytes(model)
@@ -567,8 +650,7 @@ def run(args: argparse.Namespace) -> None:
     hf, meta.hf_attention = bench_hf(args.model, prompts.token_ids, args)
     bandwidth = copy_bandwidth(args.device, args.copy_mb)
     bound = bandwidth_bound(target_bytes, mtp_bytes, bandwidth, args.copy_mb * 2**20, args.depths)
-    for e in engine:
-        e.bound_tokens_per_s = e.batch * e.acceptance_length * bound.steps_per_s[e.k]
+    add_bounds(engine, bound)
     result = BenchResult(meta, acceptance, engine, hf, bound, [])
     result.goals = goals(result)
     print_report(result)

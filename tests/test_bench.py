@@ -44,9 +44,9 @@ def test_json_has_every_section(result):
     assert meta["device"] == "cpu" and meta["device_name"].startswith("CPU")
     assert meta["prompt_source"] == "random" and meta["recompiles"] == 0
     assert [a["k"] for a in data["acceptance"]] == [k for k in DEPTHS if k > 0]
-    assert {(e["k"], e["batch"]) for e in data["engine"]} == {(k, b) for k in DEPTHS for b in BATCHES}
+    assert {(e["k"], e["batch"]) for e in data["engine"]} == {(k, b) for k in (*DEPTHS, "auto") for b in BATCHES}
     assert {(h["system"], h["batch"]) for h in data["hf"]} == {("generate", b) for b in BATCHES} | {("generate(use_mtp=True)", 1)}
-    assert {g["id"] for g in data["goals"]} >= {"speedup_b1", "speedup_b4", "vs_hf_mtp_b1", "k1_acceptance"}
+    assert {g["id"] for g in data["goals"]} >= {"speedup_b1", "bound_fraction_b1", "speedup_b4", "vs_hf_mtp_b1", "k1_acceptance", "auto_b1", "auto_b2"}
 
 
 def test_values_are_sane(result):
@@ -57,8 +57,13 @@ def test_values_are_sane(result):
         assert 1 <= a["acceptance_length"] <= a["k"] + 1
     for e in data["engine"]:
         assert e["tokens_per_s"] > 0 and e["iteration_ms"] > 0 and 0 <= e["host_share"] <= 1
-        assert 1 <= e["acceptance_length"] <= e["k"] + 1
-        assert e["bound_tokens_per_s"] > 0
+        assert 1 <= e["acceptance_length"] <= (max(DEPTHS) if e["k"] == "auto" else e["k"]) + 1
+        assert e["bound_tokens_per_s"] > 0 and e["bound_speedup"] > 0
+        base = next(r for r in data["engine"] if r["k"] == 0 and r["batch"] == e["batch"])
+        assert e["speedup"] == pytest.approx(e["tokens_per_s"] / base["tokens_per_s"])
+        assert e["bound_fraction"] == pytest.approx(e["speedup"] / e["bound_speedup"])
+        if e["k"] == "auto":  # every timed decode step is counted at some depth
+            assert set(e["depth_histogram"]) <= {str(k) for k in DEPTHS} and sum(e["depth_histogram"].values()) > 0
     assert all(h["tokens_per_s"] > 0 for h in data["hf"])
     bound = data["bound"]
     assert bound["bandwidth_bytes_per_s"] > 0 and bound["target_bytes"] > 0 and len(bound["mtp_step_bytes"]) == 1

@@ -171,7 +171,8 @@ class Experts(nn.Module):
         multiply-and-sum that reads the expert's weights in place, so nothing is copied; elsewhere
         the gathered weights are materialized, k copies per row, and only few rows gather. Measured
         on 2 CPU cores (16 experts, 4 per row, 768 x 256): gathering took 1.6 / 11.5 / 57 ms at
-        4 / 128 / 512 rows, every expert masked 5.1 / 17.5 / 60 ms.
+        4 / 128 / 512 rows, every expert masked 5.1 / 17.5 / 60 ms; so past 512 rows (training
+        batches) the experts run masked.
         """
         if self.gathers(*idx.shape, x.device):
             return self.gathered(x, idx, weights)
@@ -180,7 +181,7 @@ class Experts(nn.Module):
     def gathers(self, n: int, k: int, device: torch.device) -> bool:
         """Whether `n` rows routed to `k` experts each gather their experts (else run all, masked)."""
         n_experts = self.gate_proj.shape[0]
-        return n * k <= n_experts or (device.type == "cpu" and 4 * k <= n_experts)
+        return n * k <= n_experts or (device.type == "cpu" and 4 * k <= n_experts and n <= 512)
 
     def gathered(self, x: Tensor, idx: Tensor, weights: Tensor) -> Tensor:
         return gathered_experts(x, idx, weights, self.gate_proj, self.up_proj, self.down_proj)

@@ -119,6 +119,7 @@ def test_shipped_profiles_load():
         ('dtype = "float32"\nprefill_chunk = 100', "prefill_chunk"),
         ('dtype = "float32"\nbatch_size = [1]', "batch_size"),  # unknown
         ('dtype = "float32"\nmodel = 3', "model"),
+        ('dtype = "float32"\ndraft_vocab = 0', "draft_vocab"),
     ],
 )
 def test_malformed_profile_names_the_field(tmp_path, edit, field):

@@ -23,19 +23,19 @@ from compiled_mtp.reference import reference_generate
 tokenizers = pytest.importorskip("tokenizers")
 
 DEFAULT = Path(compiled_mtp.__file__).parent / "default_model"
-MAX_BYTES = 40_000_000
+MAX_BYTES = 48_000_000
 EOT = "<|endoftext|>"
 
 # Not standard-library text (so held out whatever the Python version): the acceptance guard's prompt,
 # the sample scripts/train_default.py generates from and records in the shipped training log.
 PROMPT = json.loads((DEFAULT / "train_log.json").read_text())["samples"][0]["prompt"]
 # Regression guards, half of what the shipped model measured (fp32 compute from its bf16 weights). On held-out
-# stdlib prefixes scripts/train_default.py measured K=1 acceptance 0.878 (train_log.json). With the MTP layer
+# stdlib prefixes scripts/train_default.py measured K=1 acceptance 0.842 (train_log.json). With the MTP layer
 # re-initialised, or eh_proj's concat order swapped, both numbers fall below 0.05.
-MEASURED_ON_PROMPT = 0.658  # K=1 greedy acceptance over 64 new tokens after PROMPT
-MIN_ACCEPTANCE = 0.33
-MEASURED_AGREEMENT = 0.845  # teacher-forced MTP/target argmax agreement on PROMPT itself
-MIN_AGREEMENT = 0.42
+MEASURED_ON_PROMPT = 0.829  # K=1 greedy acceptance over 64 new tokens after PROMPT
+MIN_ACCEPTANCE = 0.41
+MEASURED_AGREEMENT = 0.874  # teacher-forced MTP/target argmax agreement on PROMPT itself
+MIN_AGREEMENT = 0.44
 
 
 @pytest.fixture(scope="module", autouse=True)

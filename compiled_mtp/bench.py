@@ -530,7 +530,7 @@ def print_report(r: BenchResult) -> None:
         value = "n/a" if g.value is None else f"{100 * g.value:.0f}%" if percent else f"{g.value:.2f}x"
         target = "" if g.goal is None else f"goal >= {100 * g.goal:.0f}%" if percent else f"goal >= {g.goal:g}x"
         verdict = "" if g.met is None else "met" if g.met else "NOT met"
-        print(f"  {g.name:<44}{value:>8}  {target:<13}{verdict:<8}{g.detail}")
+        print(f"  {g.name:<48}{value:>8}  {target:<15}{verdict:<8}{g.detail}")
 
 
 def plot(r: BenchResult, path: Path) -> None:

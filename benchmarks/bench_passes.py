@@ -9,12 +9,16 @@
    Inductor) at DeepSeek-V3's vocabulary of 129280, for B x K, with every request greedy, at
    temperature 1.0, or at temperature 1.0 with top-p 0.9. Off: the traced subgraph. On: the
    fuse_verify_sampling pass (one `compiled_mtp::verify_sample` op).
-2. e2e: a random ~250M-parameter DeepSeek-V3-shaped checkpoint (preset "250m": vocab 129280, 8 layers,
-   16 experts), the real decode loop at B=1 for each K, every graph compiled by Inductor, all passes
-   against none. A random model's drafts are never accepted, so tokens/s are SIMULATED: each step's
-   time is measured (graphs have static shapes, so it does not depend on acceptance) and multiplied
-   by a fixed acceptance, as SGLang's SIMULATE_ACC_LEN does: each draft is accepted with probability
-   0.8 given the previous one was, i.e. 1 + 0.8 + ... + 0.8^K tokens per step. Also, timed in
+2. e2e: a random DeepSeek-V3-shaped checkpoint (`--preset`: "250m", ~250M parameters, vocab 129280, 8
+   layers, 16 experts, whose LM head is as large as the rest of a step; or "dsv3-proportions", whose
+   draft step reads 0.057 of a target forward, as DeepSeek-V3's reads about 0.04), the real decode
+   loop at B=1 for each K, every graph compiled by Inductor, all passes against none (`--pass-sets`).
+   A random model's drafts are never accepted, so tokens/s are SIMULATED: each step's time is
+   measured (graphs have static shapes, so it does not depend on acceptance) and multiplied by the
+   tokens per step the shipped model commits at that K on held-out text (1 + its accepted drafts per
+   step, from its train_log.json), as SGLang's SIMULATE_ACC_LEN does with a typed-in figure. Also,
+   timed in turns: one draft step (draft_decode at K=3, per step) drafting from the whole vocabulary
+   against drafting from its most frequent quarter (draft_vocab), and
    turns: one target_verify at K=3 (4 rows) against one at K=0 (a plain decode step), as routed
    and with every token routed to the same experts (which separates the extra expert weights 4
    rows read), the weight bytes each of the two reads, as routed (each layer's chosen experts once:
@@ -59,7 +63,7 @@ from compiled_mtp.runtime import DTYPES, SamplingParams  # noqa: E402
 
 VOCAB = 129280
 SETTINGS = {"greedy": (0.0, 1.0), "T=1": (1.0, 1.0), "T=1 top-p 0.9": (1.0, 0.9)}
-SIMULATED_RATE = 0.8
+SHIPPED_LOG = ROOT / "compiled_mtp" / "default_model" / "train_log.json"
 CAPACITY = 2048  # Runtime's default max_seq_len
 
 
@@ -113,15 +117,27 @@ def bench_sampling(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def simulated_tokens_per_step() -> dict[int, float]:
+    """Tokens per decode step of the shipped model at each K it was measured at (greedy, held-out)."""
+    acceptance = json.loads(SHIPPED_LOG.read_text())["acceptance"]
+    return {0: 1.0, **{int(key[1:]): 1 + value["accepted_per_step"] for key, value in acceptance.items() if key.startswith("K")}}
+
+
 def bench_e2e(args: argparse.Namespace) -> dict:
+    config = preset_config(args.preset)
     with tempfile.TemporaryDirectory() as tmp:
-        print("writing the random 250m checkpoint ...", flush=True)
-        model = load_model(write_random_checkpoint(Path(tmp) / "250m", preset_config("250m")), dtype=DTYPES[args.dtype], device=args.device)
+        print(f"writing the random {args.preset} checkpoint ...", flush=True)
+        model = load_model(write_random_checkpoint(Path(tmp) / args.preset, config), dtype=DTYPES[args.dtype], device=args.device)
     params_m = sum(p.numel() for p in model.parameters()) / 1e6
-    prompt = torch.randint(0, VOCAB, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
+    prompt = torch.randint(0, config["vocab_size"], (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
     sampling = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
-    result = {"parameters_m": params_m, "rows": [], "verify_ms": {}, "verify_weight_mb": {}, "lm_head_ms": {}}
+    per_step = simulated_tokens_per_step()
+    if missing := sorted(set(args.depths) - set(per_step)):
+        raise SystemExit(f"error: depths: the shipped model's acceptance was measured at K = {sorted(per_step)}, not at {missing}")
+    result = {"preset": args.preset, "parameters_m": params_m, "simulated_tokens_per_step": per_step, "rows": [], "verify_ms": {}, "verify_weight_mb": {}, "lm_head_ms": {}}
     for name, passes in (("off", ()), ("on", available())):
+        if name not in args.pass_sets:
+            continue
         runtimes, compile_s = {}, {}
         for k in args.depths:
             start = time.perf_counter()
@@ -135,9 +151,13 @@ def bench_e2e(args: argparse.Namespace) -> dict:
                 t = _generate(rt, [prompt], sampling)
                 step_ms[k] = min(step_ms[k], 1e3 * t.decode_seconds / t.decode_steps)
         for k, ms in step_ms.items():
-            per_step = sum(SIMULATED_RATE**i for i in range(k + 1))
-            result["rows"].append({"passes": name, "K": k, "step_ms": ms, "simulated_tokens_per_step": per_step, "simulated_tok_s": 1e3 * per_step / ms, "compile_s": compile_s[k]})
-            print(f"  passes {name:3s} K={k}: {ms:7.1f} ms/step, simulated {1e3 * per_step / ms:6.1f} tok/s (compile {compile_s[k]:.0f} s)", flush=True)
+            tokens = per_step[k]
+            result["rows"].append({"passes": name, "K": k, "step_ms": ms, "simulated_tokens_per_step": tokens, "simulated_tok_s": 1e3 * tokens / ms, "compile_s": compile_s[k]})
+            speedup = f", {tokens / ms * step_ms[0]:.2f}x K=0" if 0 in step_ms else ""
+            print(f"  passes {name:3s} K={k}: {ms:7.1f} ms/step, simulated {1e3 * tokens / ms:6.1f} tok/s{speedup} (compile {compile_s[k]:.0f} s)", flush=True)
+        if name == "on" and 3 in runtimes:
+            d = result["draft_step_ms"] = draft_step_ms(model, runtimes[3], args)
+            print(f"  draft step, vocabulary {d['full_vocab']} / its top {d['draft_vocab']}: {d['full']:.2f} / {d['restricted']:.2f} ms: {d['restricted'] / d['full']:.2f}x", flush=True)
         verify = {k: verify_call(runtimes[k], k, args) for k in (0, 3) if k in runtimes}
         for k in verify.keys() - result["verify_weight_mb"].keys():  # the routing is the same with or without passes
             result["verify_weight_mb"][k] = {how: n / 1e6 for how, n in verify_weight_bytes(runtimes[k], k, args).items()}
@@ -161,6 +181,20 @@ def bench_e2e(args: argparse.Namespace) -> dict:
         speed = f" (with passes: {mb[3][how] / ms[3]:.0f} / {mb[0][how] / ms[0]:.0f} GB/s)" if set(ms) >= {0, 3} else ""
         print(f"  weights read {how}: target_verify 4 rows {mb[3][how]:.0f} MB vs 1 row {mb[0][how]:.0f} MB: {mb[3][how] / mb[0][how]:.2f}x{speed}", flush=True)
     return result
+
+
+def draft_step_ms(model: torch.nn.Module, full: Runtime, args: argparse.Namespace) -> dict:
+    """One draft step (draft_decode at K=3 runs two) drafting from the whole vocabulary, against one
+    drafting from a quarter of it, timed in turns. A random model has no token frequencies: the first
+    quarter of the ids stands for the most frequent, which costs the same. The model's drafts stay
+    restricted afterwards (`full`'s graphs were traced before, and the later parts time no draft)."""
+    vocab = model.cfg.vocab_size
+    model.restrict_drafts(torch.arange(vocab // 4))
+    restricted = Runtime(model, mtp_depth=3, batch_sizes=(1,), max_seq_len=short_capacity(args), prefill_chunk=args.prompt_len)
+    # The runtime's layout of a K=3 step's uniforms: 2 draft, 4 verify, 1 extend (strides are guarded).
+    inputs = verify_inputs(3, args)[:2] + (torch.zeros(1, 7, device=args.device)[:, :2],)
+    ms = paired_best_ms({name: (lambda rt=rt: rt.graphs(("draft_decode", 1, 3), *inputs)) for name, rt in (("full", full), ("restricted", restricted))}, args.runs * 3)
+    return {"full_vocab": vocab, "draft_vocab": vocab // 4, "full": ms["full"] / 2, "restricted": ms["restricted"] / 2}
 
 
 def verify_inputs(k: int, args: argparse.Namespace, batch: int = 1) -> tuple[torch.Tensor, ...]:
@@ -278,6 +312,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="the e2e model's")
+    parser.add_argument("--preset", choices=("250m", "dsv3-proportions"), default="250m", help="the e2e model")
+    parser.add_argument("--pass-sets", nargs="+", choices=("off", "on"), default=["off", "on"], help="e2e: which pass sets to time")
     parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/passes-<device>.json")
     args = parser.parse_args()
     args.out = args.out or ROOT / "benchmarks" / f"passes-{args.device}.json"
@@ -288,7 +324,7 @@ def main() -> None:
         print(f"verify sampling at vocab {VOCAB} (best of {args.runs}):", flush=True)
         result["sampling"] = bench_sampling(argparse.Namespace(**{**vars(args), "depths": args.depths or [1, 2, 3]}))
     if args.part in ("e2e", "both"):
-        print("end to end, ~250M random checkpoint, B=1 (tokens/s SIMULATED at 0.8 acceptance per position):", flush=True)
+        print(f"end to end, random {args.preset} checkpoint, B=1 (tokens/s SIMULATED with the shipped model's acceptance):", flush=True)
         result["e2e"] = bench_e2e(argparse.Namespace(**{**vars(args), "depths": args.depths or [0, 1, 2, 3]}))
     result["runs"] = {**result.get("runs", {}), **{part: _commit() for part in ("sampling", "e2e") if args.part in (part, "both")}}
     args.out.write_text(json.dumps(result, indent=1))

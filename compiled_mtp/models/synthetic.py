@@ -42,6 +42,16 @@ PRESETS: dict[str, dict] = {
         "n_shared_experts": 1, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2,
         "first_k_dense_replace": 1, "routed_scaling_factor": 2.5, "max_position_embeddings": 4096,
     },
+    # DeepSeek-V3's draft-to-target proportion: one draft step (the MTP layer, eh_proj and the LM head)
+    # reads 0.057 of the weight bytes a target forward reads (DeepSeek-V3: about 0.04), through 30
+    # MoE layers; 1.0B parameters, 4.1 GB at float32.
+    "dsv3-proportions": {
+        "vocab_size": 8192, "hidden_size": 1024, "intermediate_size": 2816, "moe_intermediate_size": 1024,
+        "num_hidden_layers": 30, "num_attention_heads": 8, "q_lora_rank": 384, "kv_lora_rank": 256,
+        "qk_nope_head_dim": 64, "qk_rope_head_dim": 32, "v_head_dim": 64, "n_routed_experts": 8,
+        "n_shared_experts": 2, "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2,
+        "first_k_dense_replace": 1, "routed_scaling_factor": 2.5, "max_position_embeddings": 4096,
+    },
 }
 
 

@@ -14,6 +14,7 @@ from .capture.cache import GraphCache
 from .capture.compiler import example_inputs, graph_keys, key_name
 from .capture.profile import DEFAULT_MODEL, PROFILES, Profile, ProfileError, load_profile
 from .depth_policy import depth_arg
+from .graphs.state import LAG_WINDOW
 from .models.config import CheckpointError, ModelConfig
 from .models.draft_vocab import token_ranking, write_ranking
 from .models.synthetic import PRESETS, preset_config, write_random_checkpoint
@@ -101,7 +102,8 @@ def cmd_demo(args: argparse.Namespace) -> None:
     for depth in (0, 3, "auto"):  # auto chooses between the other two's graphs, step by step
         rt.mtp_depth = depth
         start, compiles, loads = time.perf_counter(), rt.graphs.compiles, rt.graphs.loads
-        rt.generate([DEMO_PROMPT], SamplingParams(max_new_tokens=4, ignore_eos=True))
+        # Long enough for depth 0 to reach a catch-up, so that its graph too is ready before the timing.
+        rt.generate([DEMO_PROMPT], SamplingParams(max_new_tokens=LAG_WINDOW + 4, ignore_eos=True))
         print(
             f"  K={depth}: graphs ready in {time.perf_counter() - start:.1f} s "
             f"({rt.graphs.compiles - compiles} compiled, {rt.graphs.loads - loads} loaded from the cache)"

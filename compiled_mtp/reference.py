@@ -1,7 +1,7 @@
 """The eager reference loop: MTP speculative decoding, greedy, one request at a time.
 
 This is the ground truth the compiled graphs are tested against, and the plainest statement of the
-algorithm (shared/DESIGN.md, "The loop"). Positions are 0-based; the prompt is t_0..t_{n-1}.
+algorithm (docs/design.md, "The decode loop as graphs"). Positions are 0-based; the prompt is t_0..t_{n-1}.
 Target row at position i reads t_i and yields hidden h_i, whose logits predict t_{i+1}.
 MTP row at position i reads t_{i+1} and a hidden for position i, and predicts t_{i+2}.
 Between steps, with L committed tokens, both caches hold positions 0..L-2 and the last committed

@@ -1,6 +1,6 @@
 """Test fixtures: tiny DeepSeek-V3 checkpoints with MTP layers, and HF transformers as the oracle.
 
-Checkpoints are written in the DeepSeek-V3 release layout (see DESIGN.md, "Checkpoint facts"):
+Checkpoints are written in the DeepSeek-V3 release layout (see docs/design.md, "Checkpoints"):
 HF's `save_pretrained` writes the target model (routed experts as per-expert keys), then MTP layer i
 is added at `model.layers.{num_hidden_layers + i}.` with `enorm`, `hnorm`, `eh_proj`,
 `shared_head.norm`, `shared_head.head`, `embed_tokens` and a MoE decoder layer's keys.

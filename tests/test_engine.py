@@ -1,5 +1,5 @@
 """The Runtime over the step functions (run uncompiled here; test_compiled.py traces and compiles them)
-against the eager reference loop, and every invariant of DESIGN.md."""
+against the eager reference loop, and every invariant the engine promises (docs/design.md)."""
 
 from __future__ import annotations
 

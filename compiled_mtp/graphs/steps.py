@@ -50,14 +50,15 @@ def prefill(model: DeepseekV3, state: StaticState, tokens: Tensor, next_tokens: 
     return first
 
 
-def _draft(model: DeepseekV3, state: StaticState, slots: Tensor, hidden: Tensor, u: Tensor, depth: int) -> None:
-    """Draft d_{depth + 1} from M's hidden and remember it with q. A restricted draft vocabulary
+def _draft(model: DeepseekV3, state: StaticState, slots: Tensor, hidden: Tensor, u: Tensor, depth: int) -> Tensor:
+    """Draft d_{depth + 1} from M's hidden, remember it with q and return it. A restricted draft vocabulary
     samples among its tokens; q, over the whole vocabulary, is 0 elsewhere, so verification stays exact."""
     token, probs = draft_sample(model.draft_logits(hidden), *_params(state, slots), u)
     if model.draft_ids is not None:
         token = model.draft_ids[token]
         probs = probs.new_zeros(probs.shape[0], state.draft_probs.shape[-1]).index_copy(1, model.draft_ids, probs)
     _store_draft(state, slots, depth, token, probs)
+    return token
 
 
 def _draft_from(model: DeepseekV3, state: StaticState, slots: Tensor, hidden: Tensor, u: Tensor) -> None:
@@ -69,13 +70,12 @@ def _draft_from(model: DeepseekV3, state: StaticState, slots: Tensor, hidden: Te
 def draft_decode(model: DeepseekV3, state: StaticState, slots: Tensor, seq_lens: Tensor, noise: Tensor) -> None:
     """Drafts d_2..d_K (K - 1 = noise.shape[1] steps): depth j runs MTP layer j % layers at position
     seq_len - 2 + j on d_j and M's own previous hidden."""
-    hidden = state.mtp_hidden[slots]
+    hidden, token = state.mtp_hidden[slots], state.drafts[slots, 0]
     for j in range(1, noise.shape[1] + 1):
         positions, write = _rows(state, slots, (seq_lens - 2 + j)[:, None])
         layer = j % model.num_mtp_layers
-        token = state.drafts[slots, j - 1]
         hidden = model.forward_mtp(layer, token[:, None], hidden[:, None], positions, write, slots, state.mtp_cache)[:, 0]
-        _draft(model, state, slots, hidden, noise[:, j - 1], j)
+        token = _draft(model, state, slots, hidden, noise[:, j - 1], j)
 
 
 def target_verify(model: DeepseekV3, state: StaticState, slots: Tensor, seq_lens: Tensor, noise: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -39,6 +39,7 @@ import json
 import os
 import platform
 import sys
+import tempfile
 import time
 import types
 from dataclasses import asdict, dataclass
@@ -47,16 +48,19 @@ from typing import Callable
 
 import torch
 
-from . import hf_baseline
+from . import hf_baseline, llama_cpp_peer
 from .capture.compiler import BACKENDS
 from .capture.profile import DEFAULT_MODEL
 from .passes.manager import add_pass_switch, without
 from .models.checkpoint import load_model
+from .llama_cpp_peer import LlamaCpp
 from .models.draft_vocab import read_ranking
+from .models.gguf_export import export_gguf
 from .models.deepseek_v3 import DeepseekV3, Experts
 from .runtime import DTYPES, Runtime, SamplingParams
 
 TRAIN_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_default.py"
+GGUF_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 MATPLOTLIB_MISSING = "matplotlib is not installed: install the bench extra: pip install 'compiled_mtp[bench]'"
 
 
@@ -137,6 +141,19 @@ class HFRun:
 
 
 @dataclass
+class PeerRun:
+    """Another engine on the same checkpoint, prompts and token counts, timed in turns with ours:
+    llama.cpp's plain greedy decoding at B = 1."""
+
+    system: str
+    batch: int
+    tokens_per_s: float
+    seconds: float
+    same_tokens: bool  # its greedy tokens equal the engine's
+    first_difference: int | None = None  # index of the first token that differs
+
+
+@dataclass
 class Bound:
     """Weight bytes per step over measured copy bandwidth: the most steps per second memory allows."""
 
@@ -166,6 +183,7 @@ class BenchResult:
     engine: list[EngineRun]
     hf: list[HFRun]
     bound: Bound
+    peers: list[PeerRun]
     goals: list[Goal]
 
 
@@ -301,9 +319,12 @@ def _runtimes(model: DeepseekV3, args: argparse.Namespace) -> dict[int | str, Ru
     }
 
 
-def bench_engine(model: DeepseekV3, prompts: Prompts, args: argparse.Namespace) -> tuple[list[Acceptance], list[EngineRun], int, int]:
+def bench_engine(
+    model: DeepseekV3, prompts: Prompts, args: argparse.Namespace, peer: LlamaCpp | None = None
+) -> tuple[list[Acceptance], list[EngineRun], list[PeerRun], int, int]:
     """Acceptance at every depth, then timings: per B, each system warmed up, then `runs` rounds in
-    which the systems take turns. Returns (acceptance, runs, compiles, recompiles)."""
+    which the systems take turns; at B = 1 the peer takes its turn too. Returns (acceptance, runs,
+    peer runs, compiles, recompiles)."""
     runtimes = _runtimes(model, args)
     acceptance = []
     for k, rt in runtimes.items():
@@ -311,16 +332,25 @@ def bench_engine(model: DeepseekV3, prompts: Prompts, args: argparse.Namespace) 
             acceptance.append(measure_acceptance(rt, prompts.token_ids[: args.accept_prompts], args.new_tokens))
             print(f"  K={k}: acceptance length {acceptance[-1].acceptance_length:.2f}", flush=True)
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
-    runs = []
+    runs, peer_runs = [], []
     for b in args.batch_sizes:
         batch = prompts.token_ids[:b]
         for rt in runtimes.values():
             _generate(rt, batch, params)
+        if peer is not None and b == 1:
+            peer.generate(batch[0], args.new_tokens)
         timings: dict[int | str, list[_Timing]] = {k: [] for k in runtimes}
         depths_before = runtimes.get("auto") and runtimes["auto"].stats()["depth_histogram"]
+        peer_seconds: list[float] = []
         for _ in range(args.runs):
             for k, rt in runtimes.items():
                 timings[k].append(_generate(rt, batch, params))
+            if peer is not None and b == 1:
+                peer_seconds.append(_peer_seconds(peer, batch[0], args.new_tokens))
+        if peer_seconds:
+            expected = next(iter(runtimes.values())).generate(batch, params)[0].token_ids
+            peer_runs.append(peer_run(peer.generate(batch[0], args.new_tokens), expected, peer_seconds))
+            print(f"  llama.cpp B=1: {peer_runs[-1].tokens_per_s:.1f} tok/s", flush=True)
         for k, rt in runtimes.items():
             runs.append(engine_run(k, batch, args.new_tokens, timings[k]))
             if k == "auto":
@@ -328,7 +358,21 @@ def bench_engine(model: DeepseekV3, prompts: Prompts, args: argparse.Namespace) 
                 runs[-1].depth_histogram = {d: n - depths_before.get(d, 0) for d, n in after.items() if n > depths_before.get(d, 0)}
             print(f"  K={k} B={b}: {runs[-1].tokens_per_s:.1f} tok/s", flush=True)
     stats = [rt.stats() for rt in runtimes.values()]
-    return acceptance, runs, sum(s["compiles"] for s in stats), sum(s["recompiles"] for s in stats)
+    return acceptance, runs, peer_runs, sum(s["compiles"] for s in stats), sum(s["recompiles"] for s in stats)
+
+
+def _peer_seconds(peer: LlamaCpp, prompt: list[int], new_tokens: int) -> float:
+    start = time.perf_counter()
+    peer.generate(prompt, new_tokens)
+    return time.perf_counter() - start
+
+
+def peer_run(tokens: list[int], expected: list[int], seconds: list[float]) -> PeerRun:
+    """llama.cpp's best of `seconds`; a token that differs from the engine's is reported, not hidden."""
+    differ = next((i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b), None)
+    if differ is None and len(tokens) != len(expected):
+        differ = min(len(tokens), len(expected))
+    return PeerRun("llama.cpp", 1, len(expected) / min(seconds), min(seconds), differ is None, differ)
 
 
 # ------------------------------------------------------------------------------------------ HF
@@ -470,6 +514,21 @@ def _auto_goals(runs: list[EngineRun]) -> list[Goal]:
     return out
 
 
+def _peer_goals(result: BenchResult) -> list[Goal]:
+    """K=0 (>= 1.0x) and the best configuration (>= 1.5x) against llama.cpp at B = 1."""
+    peer = next(iter(result.peers), None)
+    base = _engine_row(result.engine, 0, 1)
+    best = max((r for r in result.engine if r.batch == 1), key=lambda r: r.tokens_per_s, default=None)
+    out = []
+    for gid, name, row, goal in (("vs_llama_cpp_k0", "K=0 vs llama.cpp at B=1", base, 1.0), ("vs_llama_cpp_best", "best K vs llama.cpp at B=1", best, 1.5)):
+        if peer is None or row is None:
+            out.append(Goal(gid, name, None, goal, None, "not measured (needs B=1, K=0 and llama-cpp-python)"))
+            continue
+        value = row.tokens_per_s / peer.tokens_per_s
+        out.append(Goal(gid, name, value, goal, value >= goal, f"K={row.k}: {row.tokens_per_s:.1f} vs {peer.tokens_per_s:.1f} tok/s"))
+    return out
+
+
 def goals(result: BenchResult) -> list[Goal]:
     """The ratios the issue's goals are about, then best K against HF generate at each B for context."""
     out = _speedup_goal(result.engine, 1, 1.8) + _speedup_goal(result.engine, 4, 1.3) + _auto_goals(result.engine)
@@ -481,6 +540,7 @@ def goals(result: BenchResult) -> list[Goal]:
         out.append(Goal("vs_hf_mtp_b1", name, value, 5.0, value >= 5.0, f"K={best1.k}: {best1.tokens_per_s:.1f} vs {hf_mtp.tokens_per_s:.1f} tok/s"))
     else:
         out.append(Goal("vs_hf_mtp_b1", name, None, 5.0, None, "not measured (needs B=1 and a depth > 0)"))
+    out += _peer_goals(result)
     k1 = next((a for a in result.acceptance if a.k == 1), None)
     if k1:
         out.append(Goal("k1_acceptance", "K=1 acceptance", k1.acceptance_rate, 0.7, k1.acceptance_rate >= 0.7, f"{k1.accepted_tokens} of {k1.draft_tokens} drafts"))
@@ -518,6 +578,9 @@ def print_report(r: BenchResult) -> None:
     for h in r.hf:
         acc = f"{'':>36}{h.acceptance_length:>9.2f}" if h.acceptance_length is not None else ""
         print(f"{'HF ' + h.system:<30}{h.batch:>3}{h.tokens_per_s:>10.1f}{acc}")
+    for p in r.peers:
+        same = "greedy tokens equal the engine's" if p.same_tokens else f"greedy tokens DIFFER from the engine's at token {p.first_difference}"
+        print(f"{p.system:<30}{p.batch:>3}{p.tokens_per_s:>10.1f}  {same}")
     print(
         f"\nbound: copy bandwidth {bound.bandwidth_bytes_per_s / 1e9:.1f} GB/s; weights read per target forward "
         f"{bound.target_bytes / 1e6:.2f} MB, per draft step {', '.join(f'{x / 1e6:.2f}' for x in bound.mtp_step_bytes) or '-'} MB; "
@@ -620,7 +683,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--accept-prompts", type=int, default=24, help="prompts for the acceptance measurement (default: 24)")
     parser.add_argument("--copy-mb", type=int, default=256, help="tensor size for the copy-bandwidth measurement (default: 256)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks"), help="directory for bench-<device>.json and .png (default: benchmarks)")
+    parser.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp row (default: run it on CPU when llama-cpp-python is installed)")
     add_pass_switch(parser)
+
+
+def _llama_cpp(args: argparse.Namespace, folder: Path) -> LlamaCpp | None:
+    """llama.cpp on a GGUF export of the model into `folder`, when it is installed and the device is the CPU."""
+    skipped = "--no-llama-cpp" if args.no_llama_cpp else "CPU only" if torch.device(args.device).type != "cpu" else None
+    if skipped is None and not llama_cpp_peer.available():
+        skipped = llama_cpp_peer.MISSING
+    if skipped:
+        print(f"  no llama.cpp row: {skipped}", flush=True)
+        return None
+    path = export_gguf(args.model, folder / "model.gguf", GGUF_DTYPES[args.dtype])
+    return LlamaCpp(path, context=args.prompt_len + args.new_tokens, threads=torch.get_num_threads())
 
 
 def run(args: argparse.Namespace) -> None:
@@ -645,13 +721,16 @@ def run(args: argparse.Namespace) -> None:
     )
     print(f"benchmarking {args.model} on {meta.device_name}; prompts: {prompts.detail}", flush=True)
     target_bytes, mtp_bytes = weight_bytes(model)
-    acceptance, engine, meta.compiles, meta.recompiles = bench_engine(model, prompts, args)
+    with tempfile.TemporaryDirectory() as folder:
+        peer = _llama_cpp(args, Path(folder))
+        acceptance, engine, peers, meta.compiles, meta.recompiles = bench_engine(model, prompts, args, peer)
+        del peer
     del model  # HF loads its own copy next
     hf, meta.hf_attention = bench_hf(args.model, prompts.token_ids, args)
     bandwidth = copy_bandwidth(args.device, args.copy_mb)
     bound = bandwidth_bound(target_bytes, mtp_bytes, bandwidth, args.copy_mb * 2**20, args.depths)
     add_bounds(engine, bound)
-    result = BenchResult(meta, acceptance, engine, hf, bound, [])
+    result = BenchResult(meta, acceptance, engine, hf, bound, peers, [])
     result.goals = goals(result)
     print_report(result)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -17,6 +17,8 @@ from .depth_policy import depth_arg
 from .graphs.state import LAG_WINDOW
 from .models.config import CheckpointError, ModelConfig
 from .models.draft_vocab import token_ranking, write_ranking
+from .models.gguf_export import DTYPES as GGUF_DTYPES
+from .models.gguf_export import export_gguf
 from .models.synthetic import PRESETS, preset_config, write_random_checkpoint
 from .passes.manager import add_pass_switch, without
 from .runtime import Runtime, SamplingParams
@@ -86,6 +88,14 @@ def cmd_generate(args: argparse.Namespace) -> None:
 def cmd_random_checkpoint(args: argparse.Namespace) -> None:
     path = write_random_checkpoint(args.out, preset_config(args.preset), seed=args.seed)
     print(f"wrote a random {args.preset!r} DeepSeek-V3 checkpoint to {path}")
+
+
+def cmd_export_gguf(args: argparse.Namespace) -> None:
+    try:
+        path = export_gguf(args.model, args.out, args.dtype)
+    except ImportError as e:
+        raise ValueError(str(e)) from None
+    print(f"wrote {path} ({_size(path.stat().st_size)}): {args.model}'s target model for llama.cpp (it has no MTP layer)")
 
 
 DEMO_PROMPT = "def read_config(path):\n    \"\"\"Return the parsed configuration file at *path*.\"\"\"\n"
@@ -245,6 +255,12 @@ def main(argv: list[str] | None = None) -> None:
     i = sub.add_parser("inspect", help="list the graphs a capture cache holds")
     _add_cache_option(i, _graph_cache())
     i.set_defaults(func=cmd_inspect)
+
+    x = sub.add_parser("export-gguf", help="write the model for llama.cpp (GGUF, its deepseek2 architecture; without the MTP layers)")
+    x.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="checkpoint directory (default: the shipped model)")
+    x.add_argument("--out", type=Path, required=True, help="the .gguf file to write")
+    x.add_argument("--dtype", choices=sorted(GGUF_DTYPES), default="f32", help="storage type of the weight matrices (default: f32)")
+    x.set_defaults(func=cmd_export_gguf)
 
     b = sub.add_parser("bench", help="acceptance and tokens/s against HF transformers and the bandwidth bound")
     bench.add_arguments(b)

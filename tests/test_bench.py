@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from compiled_mtp import bench
+from compiled_mtp import bench, llama_cpp_peer
 from compiled_mtp.capture.profile import DEFAULT_MODEL
 from tests.factory import write_echo_checkpoint
 
@@ -39,14 +39,14 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
 
 def test_json_has_every_section(result):
     data, _ = result
-    assert set(data) == {"meta", "acceptance", "engine", "hf", "bound", "goals"}
+    assert set(data) == {"meta", "acceptance", "engine", "hf", "bound", "peers", "goals"}
     meta = data["meta"]
     assert meta["device"] == "cpu" and meta["device_name"].startswith("CPU")
     assert meta["prompt_source"] == "random" and meta["recompiles"] == 0
     assert [a["k"] for a in data["acceptance"]] == [k for k in DEPTHS if k > 0]
     assert {(e["k"], e["batch"]) for e in data["engine"]} == {(k, b) for k in (*DEPTHS, "auto") for b in BATCHES}
     assert {(h["system"], h["batch"]) for h in data["hf"]} == {("generate", b) for b in BATCHES} | {("generate(use_mtp=True)", 1)}
-    assert {g["id"] for g in data["goals"]} >= {"speedup_b1", "bound_fraction_b1", "speedup_b4", "vs_hf_mtp_b1", "k1_acceptance", "auto_b1", "auto_b2"}
+    assert {g["id"] for g in data["goals"]} >= {"speedup_b1", "bound_fraction_b1", "speedup_b4", "vs_hf_mtp_b1", "k1_acceptance", "auto_b1", "auto_b2", "vs_llama_cpp_k0", "vs_llama_cpp_best"}
 
 
 def test_values_are_sane(result):
@@ -72,6 +72,29 @@ def test_values_are_sane(result):
     goals = {g["id"]: g for g in data["goals"]}
     assert goals["speedup_b1"]["value"] >= 1  # best K includes K=0
     assert goals["speedup_b4"]["value"] is None  # B=4 was not run
+
+
+def test_llama_cpp_row_when_installed(result):
+    """llama.cpp joins the B=1 turns where llama-cpp-python is installed (the bench extra), and its
+    greedy tokens equal the engine's on this checkpoint."""
+    data, _ = result
+    goals = {g["id"]: g for g in data["goals"]}
+    if not llama_cpp_peer.available():
+        assert data["peers"] == [] and goals["vs_llama_cpp_k0"]["value"] is None
+        return
+    (peer,) = data["peers"]
+    assert peer["system"] == "llama.cpp" and peer["batch"] == 1 and peer["tokens_per_s"] > 0
+    assert peer["same_tokens"] and peer["first_difference"] is None
+    assert goals["vs_llama_cpp_k0"]["value"] > 0
+
+
+@pytest.mark.parametrize(
+    "tokens,expected,differ", [([1, 2, 3], [1, 2, 3], None), ([1, 5, 3], [1, 2, 3], 1), ([1, 2], [1, 2, 3], 2)]
+)
+def test_a_peer_that_differs_is_reported(tokens, expected, differ):
+    run = bench.peer_run(tokens, expected, [0.5, 0.25])
+    assert (run.same_tokens, run.first_difference) == (differ is None, differ)
+    assert run.tokens_per_s == len(expected) / 0.25
 
 
 def test_plot_is_written(result):

@@ -1,0 +1,150 @@
+"""Export a checkpoint to GGUF for llama.cpp, whose `deepseek2` architecture runs DeepSeek-V2/V3.
+
+The bench runs llama.cpp on the very weights the engine serves, and users can take a model there.
+Names, metadata and the split of `kv_b_proj` follow llama.cpp's own converter for this architecture.
+llama.cpp's DeepSeek-V3 graph has no MTP layer, so the file holds the target model only.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from .checkpoint import load_model
+from .config import ModelConfig
+
+# torch dtype of the stored tensors, per the CLI's --dtype; norms, the router and its bias stay
+# float32, as llama.cpp's converter keeps every 1-D tensor.
+DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _gguf():
+    try:
+        import gguf
+    except ImportError:
+        raise ImportError("export-gguf needs the gguf package: pip install 'compiled_mtp[gguf]'") from None
+    return gguf
+
+
+def export_gguf(checkpoint: str | Path, out: str | Path, dtype: str = "f32") -> Path:
+    """Write `checkpoint`'s target model (FP8 weights dequantized) to the GGUF file `out`."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    gguf = _gguf()
+    checkpoint, out = Path(checkpoint), Path(out)
+    model = load_model(checkpoint, with_mtp=False)
+    cfg = model.cfg
+    writer = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.DEEPSEEK2])
+    _write_parameters(writer, gguf, cfg, dtype)
+    _write_vocab(writer, gguf, checkpoint, cfg)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.DEEPSEEK2, cfg.num_hidden_layers)
+    for name, tensor in model.state_dict().items():
+        for hf_name, part in _split(name, tensor, cfg):
+            gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+            if gguf_name is None:
+                raise ValueError(f"{checkpoint}: tensor {hf_name!r} has no GGUF name in llama.cpp's deepseek2 layout")
+            stored = part.float() if part.dim() == 1 else part.to(DTYPES[dtype])
+            writer.add_tensor(gguf_name, stored.contiguous().view(_raw(stored.dtype)).numpy(), raw_dtype=_gguf_type(gguf, stored.dtype))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def _split(name: str, tensor: Tensor, cfg: ModelConfig) -> Iterator[tuple[str, Tensor]]:
+    """llama.cpp runs MLA absorbed: kv_b_proj becomes k_b (per head, transposed) and v_b. Its
+    names know the router's bias as `e_score_correction.bias`, and stacked experts as weights."""
+    if name.endswith("e_score_correction_bias"):
+        yield name.replace("_bias", ".bias"), tensor
+        return
+    if name.endswith(("experts.gate_proj", "experts.up_proj", "experts.down_proj")):
+        yield name + ".weight", tensor
+        return
+    if not name.endswith("kv_b_proj.weight"):
+        yield name, tensor
+        return
+    dn = cfg.qk_nope_head_dim
+    kv_b = tensor.view(cfg.num_attention_heads, dn + cfg.v_head_dim, cfg.kv_lora_rank)
+    yield name.replace("kv_b_proj", "k_b_proj"), kv_b[:, :dn].transpose(1, 2)
+    yield name.replace("kv_b_proj", "v_b_proj"), kv_b[:, dn:]
+
+
+def _raw(dtype: torch.dtype) -> torch.dtype:
+    """numpy has no bfloat16: bf16 tensors travel as their raw 16-bit words."""
+    return torch.int16 if dtype == torch.bfloat16 else dtype
+
+
+def _gguf_type(gguf, dtype: torch.dtype):
+    return {torch.float32: gguf.GGMLQuantizationType.F32, torch.float16: gguf.GGMLQuantizationType.F16, torch.bfloat16: gguf.GGMLQuantizationType.BF16}[dtype]
+
+
+def _write_parameters(writer, gguf, cfg: ModelConfig, dtype: str) -> None:
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(1)  # MLA runs as one shared latent "head" in llama.cpp
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope.theta)
+    writer.add_rope_dimension_count(cfg.qk_rope_head_dim)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_leading_dense_block_count(cfg.first_k_dense_replace if cfg.n_routed_experts else cfg.num_hidden_layers)
+    if cfg.q_lora_rank is not None:
+        writer.add_q_lora_rank(cfg.q_lora_rank)
+    writer.add_kv_lora_rank(cfg.kv_lora_rank)
+    writer.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    writer.add_value_length(cfg.kv_lora_rank)
+    writer.add_key_length_mla(cfg.qk_head_dim)
+    writer.add_value_length_mla(cfg.v_head_dim)
+    writer.add_expert_feed_forward_length(cfg.moe_intermediate_size or cfg.intermediate_size)
+    writer.add_expert_shared_count(cfg.n_shared_experts)
+    if cfg.n_routed_experts:
+        writer.add_expert_count(cfg.n_routed_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        writer.add_expert_group_count(cfg.n_group)
+        writer.add_expert_group_used_count(cfg.topk_group)
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        writer.add_expert_weights_scale(cfg.routed_scaling_factor)
+        writer.add_expert_weights_norm(cfg.norm_topk_prob)
+    if cfg.rope.type == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(cfg.rope.factor)
+        writer.add_rope_scaling_orig_ctx_len(cfg.rope.original_max_position_embeddings)
+        writer.add_rope_scaling_yarn_beta_fast(cfg.rope.beta_fast)
+        writer.add_rope_scaling_yarn_beta_slow(cfg.rope.beta_slow)
+        writer.add_rope_scaling_yarn_log_mul(0.1 * cfg.rope.mscale_all_dim)  # llama.cpp's deepseek2 convention
+    file_types = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16, "bf16": gguf.LlamaFileType.MOSTLY_BF16}
+    writer.add_file_type(file_types[dtype])
+
+
+def _write_vocab(writer, gguf, checkpoint: Path, cfg: ModelConfig) -> None:
+    """The byte-level BPE of tokenizer.json as llama.cpp's "gpt2" tokenizer; without one, token ids only."""
+    path = checkpoint / "tokenizer.json"
+    if not path.exists():
+        writer.add_tokenizer_model("none")
+        return
+    spec = json.loads(path.read_text())
+    if spec["model"]["type"] != "BPE" or (spec.get("pre_tokenizer") or {}).get("type") != "ByteLevel":
+        raise ValueError(f"{path}: only byte-level BPE tokenizers export to GGUF, got {spec['model']['type']}")
+    vocab: dict[str, int] = spec["model"]["vocab"]
+    special = {t["content"]: t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
+    tokens = [f"[PAD{i}]" for i in range(cfg.vocab_size)]
+    types = [gguf.TokenType.UNUSED] * cfg.vocab_size
+    for text, i in {**vocab, **special}.items():
+        if i < cfg.vocab_size:
+            tokens[i], types[i] = text, gguf.TokenType.CONTROL if text in special else gguf.TokenType.NORMAL
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"].get("merges", [])]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    if cfg.eos_token_ids:
+        writer.add_eos_token_id(cfg.eos_token_ids[0])
+    writer.add_add_bos_token(False)

@@ -117,6 +117,10 @@ class CompiledGraphs:
             self.inductor_options["post_grad_custom_post_pass"].prepare(model)
         # Only Inductor produces code worth storing; the other backends build in-process.
         self.cache = GraphCache(cache_dir) if cache_dir is not None and backend == "inductor" else None
+        why = self.cache and self.cache.unwritable()
+        if why:
+            log.warning("capture cache: %s; building the graphs in this process instead", why)
+            self.cache = None
         self._graphs: dict[GraphKey, Callable] = {}
         self.replays: Counter[GraphKey] = Counter()
         self.compiles = 0

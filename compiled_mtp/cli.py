@@ -12,7 +12,7 @@ from pathlib import Path
 from . import bench
 from .capture.aot import environment
 from .capture.cache import GraphCache
-from .capture.compiler import example_inputs, graph_keys, key_name
+from .capture.compiler import example_inputs, graph_keys, key_name, progress
 from .capture.profile import DEFAULT_MODEL, PROFILES, Profile, ProfileError, load_profile
 from .depth_policy import depth_arg
 from .graphs.state import LAG_WINDOW
@@ -284,6 +284,7 @@ def _add_engine_options(p: argparse.ArgumentParser, backend: bool = True) -> Non
     )
     if backend:
         p.add_argument("--backend", default="inductor", choices=("inductor", "eager"), help="eager runs uncompiled (default: %(default)s)")
+        p.add_argument("--no-progress", action="store_true", help="do not report graph builds on stderr (default: report them)")
     add_pass_switch(p)
 
 
@@ -358,6 +359,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    # capture draws its own progress bar
+    progress.disabled = getattr(args, "no_progress", False) or args.command == "capture"
     try:
         args.func(args)
     except (CheckpointError, ProfileError, ValueError) as e:

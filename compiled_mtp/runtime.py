@@ -18,7 +18,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from .capture.compiler import CompiledGraphs, key_name
+from .capture.compiler import CompiledGraphs, graph_keys, key_name
 from .capture.profile import DEFAULT_MODEL
 from .depth_policy import DepthPolicy
 from .graphs.state import StaticState
@@ -139,7 +139,8 @@ class Runtime:
         self.max_seq_len = max_seq_len
         self.prefill_chunk = prefill_chunk
         self.state = StaticState(model, buckets[-1], max_seq_len, depths[-1])
-        self.graphs = CompiledGraphs(model, self.state, compile_backend, None if passes is None else tuple(passes), cache_dir)
+        keys = tuple(graph_keys(self.buckets, self.depths))
+        self.graphs = CompiledGraphs(model, self.state, compile_backend, None if passes is None else tuple(passes), cache_dir, keys)
         self._depth = mtp_depth
         self._policy = DepthPolicy(depths)
         self._device = model.lm_head.weight.device

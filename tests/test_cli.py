@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from compiled_mtp import DEFAULT_MODEL, RequestOutput, Runtime, SamplingParams
+from compiled_mtp.capture.compiler import progress
 from compiled_mtp.cli import _Text, build_parser, main
 from compiled_mtp.models.synthetic import preset_config, write_random_checkpoint
 
@@ -189,3 +190,25 @@ def test_from_pretrained_names_the_shipped_model():
     for rt in (Runtime.from_pretrained("default", **options), Runtime.from_pretrained(**options)):
         assert rt.model.cfg == shipped.model.cfg and rt.tokenizer is not None
         assert torch.equal(rt.model.lm_head.weight, shipped.model.lm_head.weight)
+
+
+def test_graph_builds_report_their_key_time_and_the_count_left(text_model, caplog):
+    def reported() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == progress.name]
+
+    rt = Runtime.from_pretrained(text_model, mtp_depth=0, batch_sizes=(1,), max_seq_len=64, compile_backend="aot_eager")
+    progress.addHandler(caplog.handler)
+    try:
+        rt.generate([[1, 2, 3]], SamplingParams(max_new_tokens=3))
+        built = reported()
+        rt.generate([[4, 5]], SamplingParams(max_new_tokens=3))  # every graph is ready: nothing to report
+    finally:
+        progress.removeHandler(caplog.handler)
+    expected = [
+        r"building prefill/B1/K0 in this process \(0 of 2 graphs ready\)",
+        r"built prefill/B1/K0 in \d+\.\d s; 1 of 2 graphs left",
+        r"building target_verify/B1/K0 in this process \(1 of 2 graphs ready\)",
+        r"built target_verify/B1/K0 in \d+\.\d s; 0 of 2 graphs left",
+    ]
+    assert len(built) == len(expected) and all(re.fullmatch(e, m) for e, m in zip(expected, built)), built
+    assert reported() == built

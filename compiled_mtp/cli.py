@@ -300,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate from a prompt, or from each line of a file")
     g.add_argument("prompt", nargs="?", help="text (when the model has a tokenizer) or token ids, e.g. '1 2 3' with --ids")
-    g.add_argument("--prompts-file", type=Path, metavar="FILE", help="one prompt per line, generated as one batch (default: none)")
+    g.add_argument("--prompts-file", type=Path, metavar="FILE", help="one prompt per line, all queued at once (default: none)")
     g.add_argument("--ids", action="store_true", help="prompts are token ids (default: text, when the model has a tokenizer)")
     g.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="checkpoint directory (default: the shipped model)")
     g.add_argument("--profile", type=Path, help="take buckets, depths and engine settings from a capture profile (default: none)")

@@ -84,11 +84,18 @@ def test_streamed_text_is_never_taken_back(text, stops, chunks):
     assert written + out.take() == f"{expected}\nfinish_reason={'stop' if cuts else 'length'} drafted=0 accepted=0\n"
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_prompts_file_stop_and_stream_match_the_api(text_model, tmp_path, monkeypatch, stream):
-    prompts = ["def f(x):", "class A:"]
+PROMPTS = ["def f(x):", "class A:"]
+
+
+@pytest.fixture(scope="module")
+def api_outputs(text_model):
     rt = Runtime.from_pretrained(text_model, mtp_depth=1, batch_sizes=(1,), max_seq_len=128, compile_backend="eager")
-    first, second = rt.generate(prompts, SamplingParams(max_new_tokens=12))
+    return rt.generate(PROMPTS, SamplingParams(max_new_tokens=8))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_prompts_file_stop_and_stream_match_the_api(text_model, api_outputs, tmp_path, monkeypatch, stream):
+    prompts, (first, second) = PROMPTS, api_outputs
     # A stop string from the middle of the first output that the second does not contain.
     stop = next(first.text[i : i + 3] for i in range(4, len(first.text) - 3) if first.text[i : i + 3] not in second.text)
     cut = first.text.index(stop)
@@ -100,14 +107,14 @@ def test_prompts_file_stop_and_stream_match_the_api(text_model, tmp_path, monkey
     monkeypatch.setattr(Runtime, "step", lambda rt: steps.__setitem__(0, steps[0] + 1) or step(rt))
     monkeypatch.setattr(sys, "stdout", type("Out", (), {"write": lambda _, s: writes.append((steps[0], s)), "flush": lambda _: None})())
     flags = ["--stream"] * stream
-    main(["generate", "--prompts-file", str(tmp_path / "prompts.txt"), "--model", str(text_model), "--max-new-tokens", "12", "--mtp-depth", "1", "--stop", stop, *flags, *ENGINE])
+    main(["generate", "--prompts-file", str(tmp_path / "prompts.txt"), "--model", str(text_model), "--max-new-tokens", "8", "--mtp-depth", "1", "--stop", stop, *flags, *ENGINE])
 
     out = "".join(s for _, s in writes)
     finish = r"\nfinish_reason={} drafted=\d+ accepted=\d+\n"
     expected = (
         re.escape(prompts[0] + first.text[:cut]) + finish.format("stop")
         + re.escape(prompts[1] + second.text) + finish.format(second.finish_reason)
-        + r"  K=1: 24 tokens in .* acceptance length [\d.]+, .*\n"
+        + r"  K=1: 16 tokens in .* acceptance length [\d.]+, .*\n"
     )
     assert re.fullmatch(expected, out, re.S), out
     text_writes = [n for n, s in writes if s.strip() and not s.startswith("  K=")]

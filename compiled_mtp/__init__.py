@@ -1,6 +1,7 @@
 """compiled_mtp: Multi-Token-Prediction speculative decoding on captured torch.compile graphs."""
 
+from .capture.profile import DEFAULT_MODEL
 from .runtime import RequestOutput, Runtime, SamplingParams, StepOutput
 
-__all__ = ["Runtime", "SamplingParams", "RequestOutput", "StepOutput"]
+__all__ = ["Runtime", "SamplingParams", "RequestOutput", "StepOutput", "DEFAULT_MODEL"]
 __version__ = "0.1.0"

@@ -57,7 +57,7 @@ from .llama_cpp_peer import LlamaCpp
 from .models.draft_vocab import read_ranking
 from .models.gguf_export import export_gguf
 from .models.deepseek_v3 import DeepseekV3, Experts
-from .runtime import DTYPES, Runtime, SamplingParams
+from .runtime import DTYPES, Runtime, SamplingParams, acceptance_length, check_device
 
 TRAIN_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_default.py"
 GGUF_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
@@ -295,12 +295,12 @@ def engine_run(k: int | str, prompts: list[list[int]], new_tokens: int, timings:
     """The best of `timings` (runs of the same prompts at depth k)."""
     b = len(prompts)
     # Every request emits new_tokens - 1 tokens in decode steps (the first comes from its prefill).
-    acceptance_length = b * (new_tokens - 1) * len(timings) / sum(t.request_steps for t in timings)
+    length = acceptance_length(b * (new_tokens - 1) * len(timings), sum(t.request_steps for t in timings))
     best = min(timings, key=lambda t: t.seconds)
     iteration = best.decode_seconds / best.decode_steps
     host = best.host_seconds / best.decode_steps
     return EngineRun(
-        k, b, b * new_tokens / best.seconds, best.seconds, 1e3 * iteration, 1e3 * host, host / iteration, acceptance_length, best.decode_steps
+        k, b, b * new_tokens / best.seconds, best.seconds, 1e3 * iteration, 1e3 * host, host / iteration, length, best.decode_steps
     )
 
 
@@ -663,13 +663,14 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"model: {args.model} has no config.json")
     if args.draft_vocab is not None and args.draft_vocab < 1:
         raise ValueError(f"draft-vocab: must be >= 1, got {args.draft_vocab}")
+    check_device(args.device)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `compiled-mtp bench`."""
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="checkpoint directory (default: the shipped default model)")
     parser.add_argument("--cache-dir", type=Path, help="capture cache directory (default: none, compile in-process)")
-    parser.add_argument("--backend", default="inductor", choices=BACKENDS, help="eager runs the step functions uncompiled")
+    parser.add_argument("--backend", default="inductor", choices=BACKENDS, help="eager runs the step functions uncompiled (default: inductor)")
     parser.add_argument("--dtype", default="float32", choices=tuple(DTYPES), help="engine and HF dtype (default: float32)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per request (default: 128)")

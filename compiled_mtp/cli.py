@@ -6,12 +6,13 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from . import bench
 from .capture.aot import environment
 from .capture.cache import GraphCache
-from .capture.compiler import example_inputs, graph_keys, key_name
+from .capture.compiler import example_inputs, graph_keys, key_name, progress
 from .capture.profile import DEFAULT_MODEL, PROFILES, Profile, ProfileError, load_profile
 from .depth_policy import depth_arg
 from .graphs.state import LAG_WINDOW
@@ -21,7 +22,7 @@ from .models.gguf_export import DTYPES as GGUF_DTYPES
 from .models.gguf_export import export_gguf
 from .models.synthetic import PRESETS, preset_config, write_random_checkpoint
 from .passes.manager import add_pass_switch, without
-from .runtime import Runtime, SamplingParams
+from .runtime import MAX_SEED, RequestOutput, Runtime, SamplingParams
 from .tokenizer import Tokenizer
 
 # Engine settings when neither a flag nor a profile gives them.
@@ -41,7 +42,23 @@ def _parse_ids(text: str) -> list[int]:
     try:
         return [int(t) for t in text.replace(",", " ").split()]
     except ValueError:
-        raise SystemExit(f"prompt: expected token ids separated by spaces or commas, got {text!r}") from None
+        raise ValueError(f"prompt: expected token ids separated by spaces or commas, got {text!r}") from None
+
+
+def _prompt_texts(args: argparse.Namespace) -> list[str]:
+    """The prompt given on the command line, or each non-blank line of --prompts-file."""
+    if (args.prompt is None) == (args.prompts_file is None):
+        raise ValueError("prompt: give a prompt or --prompts-file" + (", not both" if args.prompt is not None else ""))
+    if args.prompt is not None:
+        return [args.prompt]
+    try:
+        lines = args.prompts_file.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"prompts-file: cannot read {args.prompts_file} ({e.__class__.__name__}: {e})") from None
+    texts = [line for line in lines if line.strip()]
+    if not texts:
+        raise ValueError(f"prompts-file: {args.prompts_file} holds no prompts (one per line)")
+    return texts
 
 
 def _engine_options(args: argparse.Namespace, profile: Profile | None) -> dict:
@@ -68,24 +85,97 @@ def _report(rt: Runtime, outs, seconds: float) -> None:
     )
 
 
+def _ids_text(ids: list[int]) -> str:
+    return " ".join(map(str, ids))
+
+
+class _Text:
+    """One request's output as its tokens are committed: the text safe to show so far, cut before the
+    first stop string."""
+
+    def __init__(self, head: str, decode: Callable[[list[int]], str], stops: list[str]) -> None:
+        self.decode, self.stops = decode, stops
+        self.ids: list[int] = []
+        self.text = ""  # the output so far, written or in `unwritten`
+        self.unwritten = head
+        self.stopped = False  # at a stop string: later tokens are dropped
+        self.out: RequestOutput | None = None  # once the runtime finished the request
+
+    def add(self, ids: list[int], out: RequestOutput | None) -> None:
+        self.out = out
+        if self.stopped:
+            return
+        self.ids += ids
+        text = self.decode(self.ids)
+        cut = min((i for i in map(text.find, self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            text, self.stopped = text[:cut], True
+        elif out is None:
+            text = text[: len(text) - self._unsettled(text)]
+        self.unwritten += text[len(self.text) :]
+        self.text = text
+
+    def _unsettled(self, text: str) -> int:
+        """Trailing characters the next tokens may still change: bytes of an incomplete UTF-8 character
+        (decoded as U+FFFD) or the beginning of a stop string."""
+        settled = text.rstrip("\ufffd")
+        return len(text) - len(settled) + max([0] + [n for s in self.stops for n in range(1, len(s)) if settled.endswith(s[:n])])
+
+    def take(self) -> str:
+        """The text not written yet; once finished, with its finish line."""
+        chunk, self.unwritten = self.unwritten, ""
+        if self.out is not None:
+            reason = "stop" if self.stopped else self.out.finish_reason
+            chunk += f"\nfinish_reason={reason} drafted={self.out.num_draft_tokens} accepted={self.out.num_accepted_tokens}\n"
+        return chunk
+
+
+def _run(rt: Runtime, prompts: list, heads: list[str], params: SamplingParams, stops: list[str], stream: bool) -> list[RequestOutput]:
+    """Run the prompts to completion and write each one's head and text, in prompt order; with `stream`,
+    as the tokens are committed (the next request's text follows once the one before it finished)."""
+    decode = rt.tokenizer.decode if rt.tokenizer else _ids_text
+    texts = {rt.add_request(p, params): _Text(head, decode, stops) for p, head in zip(prompts, heads)}
+    pending = list(texts.values())  # not yet written in full, in prompt order
+    while rt.has_unfinished():
+        for s in rt.step():
+            texts[s.request_id].add(s.new_token_ids, s.output)
+        while stream and pending:
+            sys.stdout.write(pending[0].take())
+            if pending[0].out is None:
+                break
+            pending.pop(0)
+        sys.stdout.flush()
+    for t in pending:
+        sys.stdout.write(t.take())
+    return [t.out for t in texts.values()]
+
+
 def cmd_generate(args: argparse.Namespace) -> None:
+    texts = _prompt_texts(args)
+    if "" in args.stop:
+        raise ValueError("stop: must not be empty")
     options = _engine_options(args, load_profile(args.profile) if args.profile else None)
     if args.mtp_depth is not None:
         extra = () if args.mtp_depth == "auto" else (args.mtp_depth,)
         options |= {"mtp_depth": args.mtp_depth, "mtp_depths": (*options.get("mtp_depths", ()), *extra) or None}
     rt = Runtime.from_pretrained(args.model, **options)
+    if args.stop and rt.tokenizer is None:
+        raise ValueError(f"stop: {args.model} has no tokenizer.json to decode text with")
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    prompt = _parse_ids(args.prompt) if args.ids or rt.tokenizer is None else args.prompt
-    rt.generate([prompt], params)  # the first run compiles the graphs or loads them from the cache
+    by_ids = args.ids or rt.tokenizer is None
+    prompts = [_parse_ids(t) if by_ids else t for t in texts]
+    # Token ids print as the output's ids alone; text prints as prompt and continuation.
+    heads = ["" if rt.tokenizer is None else t for t in texts]
+    rt.generate(prompts, params)  # the first run compiles the graphs or loads them from the cache
     rt.reset_stats()
     start = time.perf_counter()
-    out = rt.generate([prompt], params)[0]
-    print(args.prompt + out.text if out.text is not None else " ".join(map(str, out.token_ids)))
-    print(f"finish_reason={out.finish_reason} drafted={out.num_draft_tokens} accepted={out.num_accepted_tokens}")
-    _report(rt, [out], time.perf_counter() - start)
+    outs = _run(rt, prompts, heads, params, args.stop, args.stream)
+    _report(rt, outs, time.perf_counter() - start)
 
 
 def cmd_random_checkpoint(args: argparse.Namespace) -> None:
+    if not 0 <= args.seed <= MAX_SEED:
+        raise ValueError(f"seed: must be in [0, 2**63 - 1], got {args.seed}")
     path = write_random_checkpoint(args.out, preset_config(args.preset), seed=args.seed)
     print(f"wrote a random {args.preset!r} DeepSeek-V3 checkpoint to {path}")
 
@@ -148,7 +238,10 @@ def cmd_capture(args: argparse.Namespace) -> None:
     profile = load_profile(args.profile)
     model = args.model or profile.model
     if model is None:
-        raise SystemExit(f"model: {args.profile} names no model; pass --model DIR")
+        raise ValueError(f"model: {args.profile} names no model; pass --model DIR")
+    why = GraphCache(args.cache_dir).unwritable()
+    if why:
+        raise ValueError(f"cache_dir: {why}; capture stores graphs there")
     options = _engine_options(args, profile)
     rt = Runtime.from_pretrained(model, **options)
     keys = graph_keys(profile.batch_sizes, profile.mtp_depths)
@@ -174,6 +267,8 @@ def cmd_capture(args: argparse.Namespace) -> None:
 
 def cmd_inspect(args: argparse.Namespace) -> None:
     root = Path(args.cache_dir).expanduser()
+    if not root.is_dir():
+        raise ValueError(f"cache_dir: {root} " + ("is not a directory" if root.exists() else "does not exist"))
     artifacts = GraphCache(root).artifacts(environment)
     if not artifacts:
         print(f"{root}: no captured graphs")
@@ -187,16 +282,19 @@ def cmd_inspect(args: argparse.Namespace) -> None:
 
 
 def _add_engine_options(p: argparse.ArgumentParser, backend: bool = True) -> None:
-    p.add_argument("--max-seq-len", type=int, help=f"default: the profile's, else {ENGINE_DEFAULTS['max_seq_len']}")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help=f"default: the profile's, else {ENGINE_DEFAULTS['dtype']}")
-    p.add_argument("--device", help=f"default: the profile's, else {ENGINE_DEFAULTS['device']}")
+    p.add_argument("--max-seq-len", type=int, help=f"longest prompt + output (default: the profile's, else {ENGINE_DEFAULTS['max_seq_len']})")
+    p.add_argument(
+        "--dtype", choices=("float32", "bfloat16", "float16"), help=f"weights and activations (default: the profile's, else {ENGINE_DEFAULTS['dtype']})"
+    )
+    p.add_argument("--device", help=f"cpu or cuda[:N] (default: the profile's, else {ENGINE_DEFAULTS['device']})")
     p.add_argument(
         "--draft-vocab", type=int, metavar="N",
-        help="draft among the model's N most frequent tokens (its draft_vocab.json, see calibrate); "
-        "default: the profile's, else every token",
+        help="draft among the model's N most frequent tokens (its draft_vocab.json, see calibrate) "
+        "(default: the profile's, else every token)",
     )
     if backend:
-        p.add_argument("--backend", default="inductor", choices=("inductor", "eager"), help="eager runs uncompiled")
+        p.add_argument("--backend", default="inductor", choices=("inductor", "eager"), help="eager runs uncompiled (default: %(default)s)")
+        p.add_argument("--no-progress", action="store_true", help="do not report graph builds on stderr (default: report them)")
     add_pass_switch(p)
 
 
@@ -205,37 +303,44 @@ def _add_cache_option(p: argparse.ArgumentParser, default: Path | None) -> None:
     p.add_argument("--cache-dir", type=Path, default=default, help=f"capture cache directory ({where})")
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The `compiled-mtp` argument parser, every subcommand included."""
     parser = argparse.ArgumentParser(prog="compiled-mtp", description="MTP speculative decoding on captured torch.compile graphs")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="generate from a prompt")
-    g.add_argument("prompt", help="text (when the model has a tokenizer) or token ids, e.g. '1 2 3' with --ids")
-    g.add_argument("--ids", action="store_true", help="the prompt is token ids")
+    g = sub.add_parser("generate", help="generate from a prompt, or from each line of a file")
+    g.add_argument("prompt", nargs="?", help="text (when the model has a tokenizer) or token ids, e.g. '1 2 3' with --ids")
+    g.add_argument("--prompts-file", type=Path, metavar="FILE", help="one prompt per line, all queued at once (default: none)")
+    g.add_argument("--ids", action="store_true", help="prompts are token ids (default: text, when the model has a tokenizer)")
     g.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="checkpoint directory (default: the shipped model)")
-    g.add_argument("--profile", type=Path, help="take buckets, depths and engine settings from a capture profile")
+    g.add_argument("--profile", type=Path, help="take buckets, depths and engine settings from a capture profile (default: none)")
     g.add_argument(
         "--mtp-depth", type=depth_arg,
         help="draft tokens per step, or 'auto' to choose each step's depth among 0..3 (or the profile's) "
         "from measured speed and acceptance (default: 3, or the profile's largest depth)",
     )
-    g.add_argument("--max-new-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default: %(default)s)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 = all (default: %(default)s)")
+    g.add_argument("--top-p", type=float, default=1.0, help="sample within this probability mass (default: %(default)s)")
+    g.add_argument("--seed", type=int, help="seed of the sampled tokens, in [0, 2**63 - 1] (default: the runtime's)")
+    g.add_argument(
+        "--stop", action="append", default=[], metavar="TEXT",
+        help="end the output before this text (repeatable; matched on the decoded text) (default: none)",
+    )
+    g.add_argument("--stream", action="store_true", help="write tokens as they are committed (default: when done)")
     _add_engine_options(g)
     _add_cache_option(g, None)
     g.set_defaults(func=cmd_generate)
 
     r = sub.add_parser("random-checkpoint", help="write a random DeepSeek-V3-shaped checkpoint")
-    r.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
-    r.add_argument("--out", required=True, type=Path)
-    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model size (default: %(default)s)")
+    r.add_argument("--out", required=True, type=Path, help="directory to write")
+    r.add_argument("--seed", type=int, default=0, help="seed of the weights, in [0, 2**63 - 1] (default: %(default)s)")
     r.set_defaults(func=cmd_random_checkpoint)
 
     d = sub.add_parser("demo", help="generate with and without MTP on the shipped model")
-    d.add_argument("--max-new-tokens", type=int, default=64)
+    d.add_argument("--max-new-tokens", type=int, default=64, help="tokens per timed run (default: %(default)s)")
     _add_engine_options(d)
     _add_cache_option(d, _graph_cache())
     d.set_defaults(func=cmd_demo)
@@ -265,8 +370,13 @@ def main(argv: list[str] | None = None) -> None:
     b = sub.add_parser("bench", help="acceptance and tokens/s against HF transformers and the bandwidth bound")
     bench.add_arguments(b)
     b.set_defaults(func=bench.run)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    # capture draws its own progress bar
+    progress.disabled = getattr(args, "no_progress", False) or args.command == "capture"
     try:
         args.func(args)
     except (CheckpointError, ProfileError, ValueError) as e:

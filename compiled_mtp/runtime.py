@@ -8,6 +8,8 @@ accepted counts and committed tokens.
 from __future__ import annotations
 
 import itertools
+import math
+import operator
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -16,7 +18,8 @@ from typing import Iterable, Sequence
 
 import torch
 
-from .capture.compiler import CompiledGraphs, key_name
+from .capture.compiler import CompiledGraphs, graph_keys, key_name
+from .capture.profile import DEFAULT_MODEL
 from .depth_policy import DepthPolicy
 from .graphs.state import StaticState
 from .models.checkpoint import load_model
@@ -25,6 +28,7 @@ from .models.deepseek_v3 import DeepseekV3
 from .tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MAX_SEED = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -135,7 +139,8 @@ class Runtime:
         self.max_seq_len = max_seq_len
         self.prefill_chunk = prefill_chunk
         self.state = StaticState(model, buckets[-1], max_seq_len, depths[-1])
-        self.graphs = CompiledGraphs(model, self.state, compile_backend, None if passes is None else tuple(passes), cache_dir)
+        keys = tuple(graph_keys(self.buckets, self.depths))
+        self.graphs = CompiledGraphs(model, self.state, compile_backend, None if passes is None else tuple(passes), cache_dir, keys)
         self._depth = mtp_depth
         self._policy = DepthPolicy(depths)
         self._device = model.lm_head.weight.device
@@ -149,7 +154,7 @@ class Runtime:
     @classmethod
     def from_pretrained(
         cls,
-        path: str | Path,
+        path: str | Path = "default",
         mtp_depth: int | str = 3,
         batch_sizes: Sequence[int] = (1, 2, 4, 8),
         max_seq_len: int = 2048,
@@ -159,7 +164,8 @@ class Runtime:
         draft_vocab: int | None = None,
         **options,
     ) -> Runtime:
-        """Load an HF-layout DeepSeek-V3 checkpoint directory and prepare its graphs.
+        """Load an HF-layout DeepSeek-V3 checkpoint directory and prepare its graphs. `path` "default"
+        (the default) is the model shipped with the package, `compiled_mtp.DEFAULT_MODEL`.
 
         `mtp_depth` is the draft depth K of every step, or "auto": each step's K is chosen among the
         captured depths (`mtp_depths`, default 0..3) from the graphs' measured cost and the running
@@ -174,6 +180,9 @@ class Runtime:
         it lacks are built once and stored there."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype: must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        check_device(device)
+        if path == "default":
+            path = DEFAULT_MODEL
         with_mtp = mtp_depth == "auto" or max({*(options.get("mtp_depths") or ()), mtp_depth}) > 0
         model = load_model(path, dtype=DTYPES[dtype], device=device, with_mtp=with_mtp)
         if draft_vocab is not None:
@@ -201,12 +210,13 @@ class Runtime:
         Raises ValueError (naming the field) on bad input."""
         params = params or SamplingParams()
         prompt = self._check(prompt, params)
-        seed = params.seed if params.seed is not None else int(torch.randint(2**62, (), generator=self._seeds))
+        seed = operator.index(params.seed) if params.seed is not None else int(torch.randint(2**62, (), generator=self._seeds))
         greedy = params.temperature == 0
+        stop_ids = frozenset(map(operator.index, params.stop_token_ids))  # a torch integer hashes by identity
         req = _Request(
             out=RequestOutput(next(self._ids), prompt),
             params=params,
-            stop_ids=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids),
+            stop_ids=stop_ids | (frozenset() if params.ignore_eos else self.eos_ids),
             generator=None if greedy else torch.Generator().manual_seed(seed),
             rates=self._policy.prior(),
         )
@@ -217,14 +227,14 @@ class Runtime:
         return bool(self._waiting or self._running)
 
     def generate(self, prompts: Sequence[Sequence[int] | str], params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Run prompts to completion; one SamplingParams for all or one per prompt."""
+        """Run prompts to completion; one SamplingParams for all or one per prompt. Every prompt and
+        SamplingParams is checked before any is queued: on a ValueError nothing was added."""
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"params: expected 1 or {len(prompts)} SamplingParams, got {len(params)}")
-        for i, (p, sp) in enumerate(zip(prompts, params)):
-            self._check(p, sp, where=f"prompts[{i}]")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        checked = [self._check(p, sp, where=f"prompts[{i}]") for i, (p, sp) in enumerate(zip(prompts, params))]
+        ids = [self.add_request(p, sp) for p, sp in zip(checked, params)]
         wanted, done = set(ids), {}
         while len(done) < len(ids):
             done.update((s.request_id, s.output) for s in self.step() if s.output is not None and s.request_id in wanted)
@@ -249,29 +259,36 @@ class Runtime:
             if self.tokenizer is None:
                 raise ValueError(f"{where}: must be a list of token ids (this checkpoint has no tokenizer)")
             prompt = self.tokenizer.encode(prompt)
-        prompt = list(prompt)
+        if not isinstance(prompt, Iterable):
+            raise ValueError(f"{where}: must be text or a sequence of token ids, got {type(prompt).__name__}")
+        prompt = [self._token_id(t, f"{where}[{i}]") for i, t in enumerate(prompt)]
         if not prompt:
             raise ValueError(f"{where}: must not be empty")
-        for i, t in enumerate(prompt):
-            if not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                raise ValueError(f"{where}[{i}]: token id {t!r} outside [0, {self.vocab_size})")
-        if params.max_new_tokens < 1:
+        if _integer(params.max_new_tokens, "max_new_tokens:") < 1:
             raise ValueError(f"max_new_tokens: must be >= 1, got {params.max_new_tokens}")
         if len(prompt) + params.max_new_tokens > self.max_seq_len:
             raise ValueError(
                 f"max_new_tokens: prompt length {len(prompt)} + max_new_tokens {params.max_new_tokens} "
                 f"exceeds max_seq_len {self.max_seq_len}"
             )
-        if not params.temperature >= 0:
-            raise ValueError(f"temperature: must be >= 0, got {params.temperature}")
+        if not 0 <= params.temperature < math.inf:  # inf or nan would sample from garbage
+            raise ValueError(f"temperature: must be finite and >= 0 (0 = greedy), got {params.temperature}")
         if not 0 < params.top_p <= 1:
             raise ValueError(f"top_p: must be in (0, 1], got {params.top_p}")
-        if params.top_k < 0:
+        if _integer(params.top_k, "top_k:") < 0:
             raise ValueError(f"top_k: must be >= 0 (0 = no limit), got {params.top_k}")
-        for t in params.stop_token_ids:
-            if not 0 <= t < self.vocab_size:
-                raise ValueError(f"stop_token_ids: token id {t} outside [0, {self.vocab_size})")
+        if params.seed is not None and not 0 <= _integer(params.seed, "seed:") <= MAX_SEED:
+            raise ValueError(f"seed: must be in [0, 2**63 - 1] or None, got {params.seed}")
+        for i, t in enumerate(params.stop_token_ids):
+            self._token_id(t, f"stop_token_ids[{i}]")
         return prompt
+
+    def _token_id(self, t: object, where: str) -> int:
+        """An integer-like token id (int, NumPy or torch integer) in [0, vocab_size)."""
+        t = _integer(t, f"{where}: token id")
+        if not 0 <= t < self.vocab_size:
+            raise ValueError(f"{where}: token id {t} outside [0, {self.vocab_size})")
+        return t
 
     def _tensor(self, values: Iterable) -> torch.Tensor:
         return torch.tensor(list(values), dtype=torch.long, device=self._device)
@@ -387,7 +404,7 @@ class Runtime:
         acceptance, decode steps per depth, replays per graph key, compiles and recompiles."""
         s = self._stats
         return {
-            "acceptance_length": s.committed / s.request_steps if s.request_steps else 0.0,
+            "acceptance_length": acceptance_length(s.committed, s.request_steps),
             "request_steps": s.request_steps,
             "acceptance_rate_per_position": [a / p if p else 0.0 for a, p in zip(s.accepted, s.proposed)],
             "draft_tokens": sum(s.proposed),
@@ -411,3 +428,36 @@ def _depths(mtp_depth: int | str, extra: Sequence[int] | None, mtp_layers: int) 
     if not isinstance(mtp_depth, int):
         raise ValueError(f"mtp_depth: must be an integer >= 0 or 'auto', got {mtp_depth!r}")
     return sorted({*(extra or ()), mtp_depth})
+
+
+def acceptance_length(committed: int, request_steps: int) -> float:
+    """Tokens committed per request and decode step (a target step; the token a prefill samples is not
+    counted): 1.0 at depth 0, at most K + 1. 1.0 before any decode step, the value without drafts."""
+    return committed / request_steps if request_steps else 1.0
+
+
+def _integer(value: object, what: str) -> int:
+    """`value` as an int when it is integer-like (int, NumPy or torch integer; not bool); `what` leads
+    the error, e.g. "seed:"."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{what} must be an integer, got {type(value).__name__} {value!r}") from None
+
+
+def check_device(device: str | torch.device) -> None:
+    """A one-line error for a device this torch cannot use, before anything is loaded onto it."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device: must be cpu or cuda[:N], got {device!r}") from None
+    if device.type == "cuda":
+        if torch.version.cuda is None and torch.version.hip is None:
+            raise ValueError(f"device: {device} needs a CUDA build of torch; this one ({torch.__version__}) is CPU-only, use cpu")
+        count = torch.cuda.device_count()
+        if (device.index or 0) >= count:
+            raise ValueError(f"device: {device} is not available ({count} CUDA devices visible)")
+    elif device.type != "cpu":
+        raise ValueError(f"device: must be cpu or cuda[:N], got {str(device)!r}")

@@ -3,6 +3,7 @@ against the eager reference loop, and every invariant the engine promises (docs/
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -218,11 +219,20 @@ BAD_INPUT = [
     ([1, -1], SamplingParams(), r"^prompt\[1\]: token id -1 outside \[0, 97\)$"),
     ([1] * 125, SamplingParams(max_new_tokens=5), r"^max_new_tokens: prompt length 125 \+ max_new_tokens 5 exceeds max_seq_len 128$"),
     ([1], SamplingParams(max_new_tokens=0), r"^max_new_tokens: must be >= 1, got 0$"),
-    ([1], SamplingParams(temperature=-0.5), r"^temperature: must be >= 0, got -0.5$"),
+    ([1], SamplingParams(temperature=-0.5), r"^temperature: must be finite and >= 0 \(0 = greedy\), got -0.5$"),
+    ([1], SamplingParams(temperature=float("inf")), r"^temperature: must be finite and >= 0 \(0 = greedy\), got inf$"),
+    ([1], SamplingParams(temperature=float("nan")), r"^temperature: must be finite and >= 0 \(0 = greedy\), got nan$"),
+    ([1], SamplingParams(temperature=1.0, seed=2**70), r"^seed: must be in \[0, 2\*\*63 - 1\] or None, got 1180591620717411303424$"),
+    ([1], SamplingParams(temperature=1.0, seed=-1), r"^seed: must be in \[0, 2\*\*63 - 1\] or None, got -1$"),
+    ([1], SamplingParams(seed=1.5), r"^seed: must be an integer, got float 1.5$"),
+    ([1, 2.0], SamplingParams(), r"^prompt\[1\]: token id must be an integer, got float 2.0$"),
+    ([1, True], SamplingParams(), r"^prompt\[1\]: token id must be an integer, got bool True$"),
+    ([1, np.float32(3)], SamplingParams(), r"^prompt\[1\]: token id must be an integer, got float32 np.float32\(3.0\)$"),
+    ([1], SamplingParams(stop_token_ids=(torch.tensor(0.5),)), r"^stop_token_ids\[0\]: token id must be an integer, got Tensor tensor\(0.5000\)$"),
     ([1], SamplingParams(top_p=0.0), r"^top_p: must be in \(0, 1\], got 0.0$"),
     ([1], SamplingParams(top_p=1.5), r"^top_p: must be in \(0, 1\], got 1.5$"),
     ([1], SamplingParams(top_k=-1), r"^top_k: must be >= 0 \(0 = no limit\), got -1$"),
-    ([1], SamplingParams(stop_token_ids=(500,)), r"^stop_token_ids: token id 500 outside \[0, 97\)$"),
+    ([1], SamplingParams(stop_token_ids=(500,)), r"^stop_token_ids\[0\]: token id 500 outside \[0, 97\)$"),
 ]
 
 
@@ -239,6 +249,25 @@ def test_bad_input_is_rejected_and_the_batch_goes_on(noisy_echo, prompt, params,
     while rt.has_unfinished():
         got += [t for o in rt.step() for t in o.new_token_ids]
     assert got == reference(noisy_echo, [good], [12])[0]
+
+
+def test_a_bad_request_queues_none_of_its_batch(noisy_echo):
+    rt = runtime(noisy_echo, 2)
+    with pytest.raises(ValueError, match=r"^seed: "):
+        rt.generate([[1, 2], [3]], [GREEDY, SamplingParams(max_new_tokens=4, temperature=1.0, seed=2**64)])
+    assert rt.step() == [] and not rt.has_unfinished()
+
+
+def test_integer_like_token_ids_are_plain_ids(noisy_echo):
+    """NumPy and torch integers (and arrays of them) mean what the same ints mean, stop ids included."""
+    prompt = prompts_for(97, [6], seed=5)[0]
+    stop = reference(noisy_echo, [prompt], [12])[0][4]
+    plain = runtime(noisy_echo, 2).generate([prompt], SamplingParams(max_new_tokens=12, stop_token_ids=(stop,)))[0]
+    assert plain.finish_reason == "stop"
+    for ids, stops in [(np.array(prompt), (np.int64(stop),)), (torch.tensor(prompt), (torch.tensor(stop),)), ([np.int32(t) for t in prompt], (np.uint8(stop),))]:
+        out = runtime(noisy_echo, 2).generate([ids], SamplingParams(max_new_tokens=12, stop_token_ids=stops))[0]
+        assert out.token_ids == plain.token_ids and out.finish_reason == "stop"
+        assert out.prompt_token_ids == prompt and all(type(t) is int for t in out.prompt_token_ids)
 
 
 def test_bad_depth_and_options(noisy_echo):

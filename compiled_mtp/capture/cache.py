@@ -48,6 +48,21 @@ class GraphCache:
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root).expanduser()
 
+    def unwritable(self) -> str | None:
+        """Create the directory; None when this process can store graphs in it, else why not. A path
+        that is a file, or lies under one, raises ValueError: that is a mistake, not a read-only cache."""
+        locks = self.root / "locks"
+        try:
+            locks.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            file = next(d for d in (locks, self.root, *self.root.parents) if d.exists())
+            raise ValueError(f"cache_dir: {self.root} is not a directory" if file == self.root else f"cache_dir: {self.root}: {file} is not a directory") from None
+        except OSError as e:
+            return f"cannot create {locks} ({e.strerror})"
+        if not all(os.access(d, os.W_OK | os.X_OK) for d in (self.root, locks)):
+            return f"{self.root} is not writable"
+        return None
+
     def stem(self, key: dict[str, Any]) -> str:
         identity = {k: v for k, v in key.items() if k not in VERSIONED}
         digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]

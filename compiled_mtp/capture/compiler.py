@@ -34,6 +34,15 @@ from .cache import MISSING, GraphCache
 BACKENDS = ("inductor", "aot_eager", "eager")
 GraphKey = tuple[str, int, int]
 log = logging.getLogger("compiled_mtp.capture")
+# Graph builds take tens of seconds each: say which graph is being built, how long it took and how
+# many are still to come, on stderr by default. Opt out: logging.getLogger("compiled_mtp.progress").setLevel(logging.WARNING).
+progress = logging.getLogger("compiled_mtp.progress")
+if not progress.handlers:
+    _handler = logging.StreamHandler()
+    _handler.setFormatter(logging.Formatter("compiled_mtp: %(message)s"))
+    progress.addHandler(_handler)
+    progress.setLevel(logging.INFO)
+    progress.propagate = False  # an application's root handler would print each line twice
 
 
 def _compiled_frames() -> int:
@@ -94,7 +103,8 @@ def _first_line(error: Exception) -> str:
 
 class CompiledGraphs:
     """The graphs of one runtime. `compiles` counts graphs built in this process (compiled in place,
-    or built and stored into the cache), `loads` those taken from the cache."""
+    or built and stored into the cache), `loads` those taken from the cache. `keys` are the graphs the
+    runtime may call, for the progress lines' count of those still to come."""
 
     def __init__(
         self,
@@ -103,6 +113,7 @@ class CompiledGraphs:
         backend: str = "inductor",
         passes: tuple[str, ...] | None = None,
         cache_dir: str | Path | None = None,
+        keys: tuple[GraphKey, ...] = (),
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"compile_backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
@@ -117,7 +128,12 @@ class CompiledGraphs:
             self.inductor_options["post_grad_custom_post_pass"].prepare(model)
         # Only Inductor produces code worth storing; the other backends build in-process.
         self.cache = GraphCache(cache_dir) if cache_dir is not None and backend == "inductor" else None
+        why = self.cache and self.cache.unwritable()
+        if why:
+            log.warning("capture cache: %s; building the graphs in this process instead", why)
+            self.cache = None
         self._graphs: dict[GraphKey, Callable] = {}
+        self.keys = keys
         self.replays: Counter[GraphKey] = Counter()
         self.compiles = 0
         self.loads = 0
@@ -134,7 +150,13 @@ class CompiledGraphs:
         graph = self._graphs.get(key)
         start = time.perf_counter()
         if graph is None:
+            compiles = self.compiles
+            if self.cache is None and self.backend != "eager":  # torch.compile builds on this first call
+                self._building(key)
             out = self.prepare(key, inputs)(*inputs)
+            if self.compiles > compiles:
+                left = len(set(self.keys) - set(self._graphs))
+                progress.info("built %s in %.1f s; %d of %d graphs left", key_name(key), time.perf_counter() - start, left, len(self.keys))
         else:
             frames = _compiled_frames()
             with torch.compiler.set_stance("fail_on_recompile"):
@@ -152,6 +174,10 @@ class CompiledGraphs:
         if key not in self._graphs:
             self._graphs[key] = self._cached(key, inputs) if self.cache else self._build(key)
         return self._graphs[key]
+
+    def _building(self, key: GraphKey) -> None:
+        where = f"into {self.cache.root}" if self.cache else "in this process"
+        progress.info("building %s %s (%d of %d graphs ready)", key_name(key), where, len(self._graphs), len(self.keys))
 
     def _build(self, key: GraphKey) -> Callable:
         step = getattr(steps, key[0])
@@ -188,6 +214,7 @@ class CompiledGraphs:
                     return graph
             if problem != MISSING:
                 log.warning("capture cache: %s in %s is %s; rebuilding it", key_name(key), self.cache.root, problem)
+            self._building(key)
             build = functools.partial(aot.build, kind, self.model, self.state, inputs, options=self.inductor_options)
             self.cache.store(akey, build, key_name(key))
             self.compiles += 1

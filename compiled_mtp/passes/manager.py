@@ -80,5 +80,5 @@ def add_pass_switch(parser: argparse.ArgumentParser) -> None:
     """The command-line switch that turns passes off, for benchmarks and bisecting."""
     parser.add_argument(
         "--disable-pass", action="append", default=[], choices=available(), metavar="NAME",
-        help=f"compile without this custom FX pass (repeatable; passes: {', '.join(available())})",
+        help=f"compile without this custom FX pass (repeatable; passes: {', '.join(available())}) (default: all run)",
     )

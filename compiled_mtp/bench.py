@@ -49,6 +49,7 @@ from typing import Callable
 import torch
 
 from . import hf_baseline, llama_cpp_peer
+from .capture.cache import user_cache
 from .capture.compiler import BACKENDS
 from .capture.profile import DEFAULT_MODEL
 from .passes.manager import add_pass_switch, without
@@ -313,7 +314,7 @@ def _runtimes(model: DeepseekV3, args: argparse.Namespace) -> dict[int | str, Ru
             model, mtp_depth=k, mtp_depths=args.depths if k == "auto" else None, batch_sizes=args.batch_sizes,
             max_seq_len=args.prompt_len + args.new_tokens,
             prefill_chunk=min(64, args.prompt_len),  # the runtime's default chunk, which must fit max_seq_len
-            compile_backend=args.backend, cache_dir=args.cache_dir, passes=without(args.disable_pass),
+            compile_backend=args.backend, cache_dir=None if args.no_cache else args.cache_dir, passes=without(args.disable_pass),
         )
         for k in systems
     }
@@ -669,7 +670,8 @@ def _check(args: argparse.Namespace) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `compiled-mtp bench`."""
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="checkpoint directory (default: the shipped default model)")
-    parser.add_argument("--cache-dir", type=Path, help="capture cache directory (default: none, compile in-process)")
+    parser.add_argument("--cache-dir", type=Path, default=user_cache(), help="capture cache directory (default: %(default)s)")
+    parser.add_argument("--no-cache", action="store_true", help="build every graph in this process, store none (default: use the cache)")
     parser.add_argument("--backend", default="inductor", choices=BACKENDS, help="eager runs the step functions uncompiled (default: inductor)")
     parser.add_argument("--dtype", default="float32", choices=tuple(DTYPES), help="engine and HF dtype (default: float32)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from . import bench
 from .capture.aot import environment
-from .capture.cache import GraphCache
+from .capture.cache import GraphCache, user_cache
 from .capture.compiler import example_inputs, graph_keys, key_name, progress
 from .capture.profile import DEFAULT_MODEL, PROFILES, Profile, ProfileError, load_profile
 from .depth_policy import depth_arg
@@ -29,13 +29,9 @@ from .tokenizer import Tokenizer
 ENGINE_DEFAULTS = {"max_seq_len": 512, "dtype": "float32", "device": "cpu", "draft_vocab": None}
 
 
-def _user_cache() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "compiled_mtp"
-
-
 def _graph_cache() -> Path:
-    """The capture cache the demo uses, and capture and inspect when given no --cache-dir."""
-    return _user_cache() / "graphs"
+    """The capture cache every command uses when given no --cache-dir."""
+    return user_cache()
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -66,7 +62,8 @@ def _engine_options(args: argparse.Namespace, profile: Profile | None) -> dict:
     With the profile's settings the runtime's graphs are the ones `capture` stored for it."""
     options = profile.runtime_options() if profile else {"mtp_depth": 3, "batch_sizes": (1,), **ENGINE_DEFAULTS}
     options |= {name: getattr(args, name) for name in ENGINE_DEFAULTS if getattr(args, name) is not None}
-    return options | {"compile_backend": getattr(args, "backend", "inductor"), "cache_dir": args.cache_dir, "passes": without(args.disable_pass)}
+    cache_dir = None if getattr(args, "no_cache", False) else args.cache_dir
+    return options | {"compile_backend": getattr(args, "backend", "inductor"), "cache_dir": cache_dir, "passes": without(args.disable_pass)}
 
 
 def _size(n: int) -> str:
@@ -154,7 +151,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     texts = _prompt_texts(args)
     if "" in args.stop:
         raise ValueError("stop: must not be empty")
-    options = _engine_options(args, load_profile(args.profile) if args.profile else None)
+    options = _engine_options(args, _profile_for(args))
     if args.mtp_depth is not None:
         extra = () if args.mtp_depth == "auto" else (args.mtp_depth,)
         options |= {"mtp_depth": args.mtp_depth, "mtp_depths": (*options.get("mtp_depths", ()), *extra) or None}
@@ -171,6 +168,13 @@ def cmd_generate(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     outs = _run(rt, prompts, heads, params, args.stop, args.stream)
     _report(rt, outs, time.perf_counter() - start)
+
+
+def _profile_for(args: argparse.Namespace) -> Profile | None:
+    """--profile's; for the shipped model without one, the demo's, so that the graphs it stored serve."""
+    if args.profile:
+        return load_profile(args.profile)
+    return load_profile(PROFILES / "default-cpu.toml") if args.model.resolve() == DEFAULT_MODEL.resolve() else None
 
 
 def cmd_random_checkpoint(args: argparse.Namespace) -> None:
@@ -274,8 +278,8 @@ def cmd_inspect(args: argparse.Namespace) -> None:
         print(f"{root}: no captured graphs")
         return
     print(f"{root}: {len(artifacts)} graphs, {_size(sum(a.size for a in artifacts))}")
-    rows = [("key", "model", "size", "created", "torch", "status")]
-    rows += [(a.name, a.model, _size(a.size), a.created[:16].replace("T", " "), a.torch, a.status) for a in artifacts]
+    rows = [("key", "model", "settings", "size", "created", "torch", "status")]
+    rows += [(a.name, a.model, a.settings, _size(a.size), a.created[:16].replace("T", " "), a.torch, a.status) for a in artifacts]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1])
@@ -298,9 +302,11 @@ def _add_engine_options(p: argparse.ArgumentParser, backend: bool = True) -> Non
     add_pass_switch(p)
 
 
-def _add_cache_option(p: argparse.ArgumentParser, default: Path | None) -> None:
-    where = f"default: {default}" if default else "default: none, compile in-process"
-    p.add_argument("--cache-dir", type=Path, default=default, help=f"capture cache directory ({where})")
+def _add_cache_option(p: argparse.ArgumentParser, optional: bool = False) -> None:
+    """--cache-dir, defaulting to the per-user cache; `optional`: also --no-cache."""
+    p.add_argument("--cache-dir", type=Path, default=_graph_cache(), help="capture cache directory (default: %(default)s)")
+    if optional:
+        p.add_argument("--no-cache", action="store_true", help="build every graph in this process, store none (default: use the cache)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -330,7 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--stream", action="store_true", help="write tokens as they are committed (default: when done)")
     _add_engine_options(g)
-    _add_cache_option(g, None)
+    _add_cache_option(g, optional=True)
     g.set_defaults(func=cmd_generate)
 
     r = sub.add_parser("random-checkpoint", help="write a random DeepSeek-V3-shaped checkpoint")
@@ -342,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="generate with and without MTP on the shipped model")
     d.add_argument("--max-new-tokens", type=int, default=64, help="tokens per timed run (default: %(default)s)")
     _add_engine_options(d)
-    _add_cache_option(d, _graph_cache())
+    _add_cache_option(d, optional=True)
     d.set_defaults(func=cmd_demo)
 
     cal = sub.add_parser("calibrate", help="rank the model's tokens by frequency in text, for --draft-vocab")
@@ -354,11 +360,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--profile", required=True, type=Path, help="e.g. profiles/default-cpu.toml")
     c.add_argument("--model", type=Path, help="checkpoint directory (default: the profile's model)")
     _add_engine_options(c, backend=False)
-    _add_cache_option(c, _graph_cache())
+    _add_cache_option(c)
     c.set_defaults(func=cmd_capture)
 
     i = sub.add_parser("inspect", help="list the graphs a capture cache holds")
-    _add_cache_option(i, _graph_cache())
+    _add_cache_option(i)
     i.set_defaults(func=cmd_inspect)
 
     x = sub.add_parser("export-gguf", help="write the model for llama.cpp (GGUF, its deepseek2 architecture; without the MTP layers)")

@@ -18,6 +18,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from .capture.cache import user_cache
 from .capture.compiler import CompiledGraphs, graph_keys, key_name
 from .capture.profile import DEFAULT_MODEL
 from .depth_policy import DepthPolicy
@@ -160,7 +161,7 @@ class Runtime:
         max_seq_len: int = 2048,
         dtype: str = "float32",
         device: str = "cpu",
-        cache_dir: str | Path | None = None,
+        cache_dir: str | Path | bool | None = True,
         draft_vocab: int | None = None,
         **options,
     ) -> Runtime:
@@ -177,12 +178,17 @@ class Runtime:
         "aot_eager" or "eager"), `passes` (names of the custom FX passes to run, of
         `passes.manager.available()`; None = all, () = none), `prefill_chunk`, `seed` (for requests
         without one). `cache_dir` is a capture cache (CPU only): graphs are loaded from it, and those
-        it lacks are built once and stored there."""
+        it lacks are built once and stored there. True (the default) is the per-user cache,
+        `capture.cache.user_cache()`, on CPU (on CUDA graphs compile in the process); None or False
+        compiles every graph in the process. A runtime loads every stored graph whose key matches
+        its settings (model, dtype, buckets, depths, max_seq_len, passes), whoever stored it."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype: must be one of {', '.join(DTYPES)}, got {dtype!r}")
         check_device(device)
         if path == "default":
             path = DEFAULT_MODEL
+        if cache_dir is True or cache_dir is False:
+            cache_dir = user_cache() if cache_dir and torch.device(device).type == "cpu" else None
         with_mtp = mtp_depth == "auto" or max({*(options.get("mtp_depths") or ()), mtp_depth}) > 0
         model = load_model(path, dtype=DTYPES[dtype], device=device, with_mtp=with_mtp)
         if draft_vocab is not None:

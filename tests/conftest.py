@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import torch
+
+# The commands and Runtime.from_pretrained default to the per-user capture cache: the tests get their own.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="compiled_mtp_tests_")
 
 if not torch.cuda.is_available():  # before any Triton kernel is defined: they run in Triton's interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")

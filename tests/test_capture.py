@@ -194,7 +194,19 @@ def test_inspect_lists_artifacts(captured):
     cache, _ = captured
     out = _finish(_python("-m", "compiled_mtp.cli", "inspect", "--cache-dir", str(cache)))
     assert f"{cache}: 4 graphs" in out
-    assert len(re.findall(r"/B1/K\d .* 2\.13\.0.* valid", out)) == 4
+    assert len(re.findall(r"/B1/K\d .* seq 64, 1 slots, K<=2, passes [0-9a-f]{8} .* 2\.13\.0.* valid", out)) == 4
+
+
+def test_the_per_user_cache_serves_without_a_profile(captured, checkpoints, tmp_path, monkeypatch):
+    """from_pretrained's default cache is $XDG_CACHE_HOME/compiled_mtp/graphs, and a runtime loads every
+    stored graph whose key its settings match, whether they come from a profile or not."""
+    cache, _ = captured
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    _copy(cache, tmp_path / "compiled_mtp" / "graphs")
+    tiny = load_profile(PROFILE)
+    rt = Runtime.from_pretrained(checkpoints[0], mtp_depth=2, batch_sizes=(1,), max_seq_len=64, prefill_chunk=tiny.prefill_chunk)
+    assert _generate(rt)[0] == _reference(rt.model)
+    assert rt.stats()["compiles"] == 0 and rt.graphs.loads == 4
 
 
 def test_new_process_loads_with_zero_compiles_and_identical_output(captured, checkpoints):

@@ -29,12 +29,19 @@ VERSIONED = ("torch", "compiled_mtp", "source")  # fields left out of the file n
 MISSING = "missing"
 
 
+def user_cache() -> Path:
+    """The per-user capture cache every command and `Runtime.from_pretrained` use by default:
+    $XDG_CACHE_HOME/compiled_mtp/graphs (~/.cache/compiled_mtp/graphs)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "compiled_mtp" / "graphs"
+
+
 @dataclass(frozen=True)
 class Artifact:
     """One cached graph, as `compiled-mtp inspect` lists it."""
 
     name: str  # e.g. "target_verify/B1/K3"
     model: str  # e.g. "61L H7168 bfloat16 cuda"
+    settings: str  # what tells apart keys of one model and name, e.g. "seq 512, 4 slots, K<=3, passes 1a2b3c4d"
     file: str
     size: int
     created: str
@@ -131,20 +138,26 @@ class GraphCache:
         for package in sorted(self.root.glob("[!.]*.pt2")):
             meta, why = _read_meta(package.with_suffix(".json"))
             if meta is None:
-                found.append(Artifact(package.stem, "?", package.name, package.stat().st_size, "?", "?", f"corrupt ({why})"))
+                found.append(Artifact(package.stem, "?", "?", package.name, package.stat().st_size, "?", "?", f"corrupt ({why})"))
                 continue
             key, here = meta["key"], environment(meta["key"].get("device", "cpu"))
             changed = [name for name in here if key.get(name) != here[name]]
             status = _integrity(package, meta) or "valid"
             if changed and status == "valid":
                 status = f"stale ({_describe(changed, key, here)})"
-            found.append(Artifact(meta["name"], _model(key), package.name, package.stat().st_size, meta["created"], key.get("torch", "?"), status))
+            found.append(Artifact(meta["name"], _model(key), _settings(key), package.name, package.stat().st_size, meta["created"], key.get("torch", "?"), status))
         return found
 
 
 def _model(key: dict[str, Any]) -> str:
     config = key.get("model_config") or {}
     return f"{config.get('num_hidden_layers', '?')}L H{config.get('hidden_size', '?')} {key.get('dtype', '?')} {key.get('device', '?')}"
+
+
+def _settings(key: dict[str, Any]) -> str:
+    state = key.get("state") or {}
+    passes = (key.get("inductor") or {}).get("post_grad_custom_post_pass", "?")
+    return f"seq {state.get('max_seq_len', '?')}, {state.get('num_slots', '?')} slots, K<={state.get('max_depth', '?')}, passes {passes[:8]}"
 
 
 def _read_meta(path: Path) -> tuple[dict[str, Any] | None, str]:

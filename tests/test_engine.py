@@ -93,16 +93,19 @@ def test_accept_counts_stay_in_range(noisy_echo, k, temperature, seed):
     rt = runtime(noisy_echo, k)
     params = SamplingParams(max_new_tokens=20, temperature=temperature, top_k=30, seed=seed, ignore_eos=True)
     ids = [rt.add_request(p, params) for p in prompts_for(97, [4, 7, 2], seed=seed % 1000)]
+    finished = []
     while rt.has_unfinished():
         for out in rt.step():
             assert 1 <= len(out.new_token_ids) <= k + 1 or out.finished
             if out.finished:
                 assert out.output.num_accepted_tokens <= out.output.num_draft_tokens
                 assert len(out.output.token_ids) == 20
+                finished.append(out.output)
+    assert sorted(o.request_id for o in finished) == ids  # each request finished exactly once
     stats = rt.stats()
     assert all(0.0 <= r <= 1.0 for r in stats["acceptance_rate_per_position"])
     assert 1.0 <= stats["acceptance_length"] <= k + 1
-    assert len(ids) == 3
+    _assert_stats_add_up(rt, finished, prefills=3)
 
 
 def _assert_stats_add_up(rt: Runtime, outputs: list, prefills: int) -> None:

@@ -52,7 +52,7 @@ class RequestOutput:
     request_id: int
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length"
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     text: str | None = None  # the decoded tokens, when the checkpoint has a tokenizer
@@ -229,6 +229,20 @@ class Runtime:
         self._waiting.append(req)
         return req.out.request_id
 
+    def abort(self, request_id: int) -> RequestOutput | None:
+        """Cancel a request (a client went away). A waiting request leaves the queue; a running one
+        leaves the batch, and its slot is free for the next `step()` to admit a waiting request into.
+        `step()` returns nothing more for it. Returns its output so far, with finish_reason "abort";
+        None, changing nothing, when the id is unknown or already finished (a disconnect may race
+        with the request's last step)."""
+        req = next((r for r in (*self._waiting, *self._running.values()) if r.out.request_id == request_id), None)
+        if req is None:
+            return None
+        if req.slot < 0:  # not admitted yet
+            self._waiting.remove(req)
+        self._finish(req, "abort")
+        return req.out
+
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running)
 
@@ -394,11 +408,16 @@ class Runtime:
             self._stats.record(depth, len(emitted), counted)
             self._policy.observe(req.rates, depth, accepted)
         if reason is not None:
-            out.finish_reason = reason
-            out.text = self.tokenizer.decode(out.token_ids) if self.tokenizer else None
+            self._finish(req, reason)
+        return StepOutput(out.request_id, emitted, reason is not None, reason, out if reason else None)
+
+    def _finish(self, req: _Request, reason: str) -> None:
+        """Close the request's output; a running request leaves the batch and frees its slot."""
+        req.out.finish_reason = reason
+        req.out.text = self.tokenizer.decode(req.out.token_ids) if self.tokenizer else None
+        if req.slot >= 0:
             del self._running[req.slot]
             self._free.append(req.slot)
-        return StepOutput(out.request_id, emitted, reason is not None, reason, out if reason else None)
 
     def reset_stats(self) -> None:
         """Start the decode statistics (acceptance, steps, depths, host time) afresh; the graph

@@ -141,6 +141,25 @@ def config_strategy(draw: st.DrawFn) -> DeepseekV3Config:
     )
 
 
+# q_lora, MoE layers and YaRN together, in two layouts. Ten derandomized draws of config_strategy
+# (the "ci" profile) need not contain such a config, so its users add these as explicit @example()s.
+FULL_FEATURED_CONFIGS = (
+    tiny_config(),  # first layer dense, then MoE; interleaved rope; mscale = mscale_all_dim
+    tiny_config(
+        num_hidden_layers=3,
+        first_k_dense_replace=0,
+        num_attention_heads=2,
+        q_lora_rank=12,
+        n_group=4,
+        topk_group=2,
+        num_experts_per_tok=3,
+        norm_topk_prob=False,
+        rope_interleave=False,
+        rope_parameters={**_TINY["rope_parameters"], "factor": 8.0, "original_max_position_embeddings": 32, "mscale": 0.707, "mscale_all_dim": 0.0},
+    ),
+)
+
+
 # ----------------------------------------------------------------------------- weights
 
 

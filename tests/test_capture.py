@@ -7,6 +7,7 @@ each in a copy of it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -29,7 +30,7 @@ from compiled_mtp.graphs.state import StaticState
 from compiled_mtp.models.checkpoint import load_model
 from compiled_mtp.passes.manager import inductor_options
 from compiled_mtp.reference import reference_generate
-from tests.factory import truncate_file, write_echo_checkpoint
+from tests.factory import truncate_file, write_echo_checkpoint, write_garbage
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = PROFILES / "test-tiny.toml"
@@ -89,6 +90,11 @@ def captured(checkpoints, tmp_path_factory) -> tuple[Path, list[str]]:
 
 def _copy(cache: Path, dst: Path) -> Path:
     return Path(shutil.copytree(cache, dst, ignore=shutil.ignore_patterns("locks")))
+
+
+def _cache_log(caplog) -> list[str]:
+    """The capture cache's messages (torch's own records can reach caplog too)."""
+    return [r.getMessage() for r in caplog.records if r.name == "compiled_mtp.capture"]
 
 
 def _package(cache: Path, kind: str) -> Path:
@@ -247,9 +253,49 @@ def test_corrupt_artifacts_are_reported_and_rebuilt(captured, checkpoints, tmp_p
     with caplog.at_level(logging.WARNING, logger="compiled_mtp.capture"):
         assert _generate(rt)[0] == _reference(rt.model)
     assert rt.stats()["compiles"] == 1 and rt.graphs.loads == 3
-    (line,) = caplog.messages
+    (line,) = _cache_log(caplog)
     assert "draft_extend/B1/K2" in line and "corrupt" in line and "rebuilding" in line and "\n" not in line
     assert all(a.status == "valid" for a in GraphCache(cache).artifacts(environment))
+
+
+def _reseal(package: Path) -> None:
+    """Make the metadata's size and checksum those of the package as it is now."""
+    meta_path = package.with_suffix(".json")
+    meta = json.loads(meta_path.read_text())
+    meta |= {"size": package.stat().st_size, "sha256": hashlib.sha256(package.read_bytes()).hexdigest()}
+    meta_path.write_text(json.dumps(meta))
+
+
+def test_damaged_artifacts_are_reported_and_rebuilt(captured, checkpoints, tmp_path, caplog):
+    """One fault per graph: each is found (before loading where the files show it), reported in one
+    line naming the package and the fault, and rebuilt in place; the output stays exact."""
+    cache = _copy(captured[0], tmp_path / "cache")
+    altered, missing, garbled, unloadable = (_package(cache, kind) for kind in ("prefill", "draft_decode", "target_verify", "draft_extend"))
+    data = bytearray(altered.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size: only the checksum can tell
+    altered.write_bytes(bytes(data))
+    missing.unlink()
+    garbled.with_suffix(".json").write_text('{"format": 1, "key": ')
+    write_garbage(unloadable)
+    _reseal(unloadable)  # its checksum is the garbage's: only loading it can tell
+    rt = _runtime(checkpoints[0], cache)
+    with caplog.at_level(logging.WARNING, logger="compiled_mtp.capture"):
+        assert _generate(rt)[0] == _reference(rt.model)
+    assert rt.stats()["compiles"] == 4 and rt.graphs.loads == 0
+    lines = {line.split()[2]: line for line in _cache_log(caplog)}
+    assert all("\n" not in line for line in lines.values())
+    for name, package, fault in [
+        ("prefill/B1/K0", altered, "corrupt (checksum mismatch)"),
+        ("draft_decode/B1/K2", missing, "corrupt (package missing)"),
+        ("target_verify/B1/K2", garbled, "corrupt (metadata unreadable)"),
+        ("draft_extend/B1/K2", unloadable, "corrupt (cannot load: "),
+    ]:
+        assert lines.pop(name).startswith(f"capture cache: {name} at {package} is {fault}")
+    assert not lines
+    assert all(a.status == "valid" for a in GraphCache(cache).artifacts(environment))
+    again = _runtime(checkpoints[0], cache)
+    assert _generate(again) == _generate(rt)
+    assert again.stats()["compiles"] == 0 and again.graphs.loads == 4
 
 
 def test_stale_artifacts_are_reported_and_rebuilt(captured, checkpoints, tmp_path, caplog):
@@ -266,6 +312,7 @@ def test_stale_artifacts_are_reported_and_rebuilt(captured, checkpoints, tmp_pat
     with caplog.at_level(logging.WARNING, logger="compiled_mtp.capture"):
         assert _generate(rt)[0] == _reference(rt.model)
     assert rt.stats()["compiles"] == 2
-    extend_line, verify_line = sorted(caplog.messages)
-    assert extend_line.startswith(f"capture cache: draft_extend/B1/K2 in {cache} is stale (") and "built for kind draft_decode, not draft_extend" in extend_line
-    assert verify_line == f"capture cache: target_verify/B1/K2 in {cache} is stale (built for torch 2.0.0, not {torch.__version__}); rebuilding it"
+    extend_line, verify_line = sorted(_cache_log(caplog))
+    assert extend_line.startswith(f"capture cache: draft_extend/B1/K2 at {extend} is stale (") and "built for kind draft_decode, not draft_extend" in extend_line
+    verify = _package(cache, "target_verify")
+    assert verify_line == f"capture cache: target_verify/B1/K2 at {verify} is stale (built for torch 2.0.0, not {torch.__version__}); rebuilding it"

@@ -46,7 +46,6 @@ def test_every_key_traces_whole_and_matches_reference(noisy_echo):
     stats = rt.stats()
     # prefill, then per depth: verify at K=0; extend from K=1; decode from K=2; each on buckets 1 and 2.
     assert stats["compiles"] == 1 + 2 * (1 + 2 + 3 + 3 + 3)
-    assert stats["recompiles"] == 0
 
 
 def test_mixed_workload_after_warmup_triggers_no_recompile(noisy_echo):
@@ -74,9 +73,9 @@ def test_mixed_workload_after_warmup_triggers_no_recompile(noisy_echo):
         rt.mtp_depth = 2 if step % 4 else 0
         rt.step()
         step += 1
-    stats = rt.stats()
-    assert stats["compiles"] == warm
-    assert stats["recompiles"] == 0
+    # No new graph. Replays run under the "fail_on_recompile" stance, so a recompile would have raised
+    # (test_step_tensor_unlike_the_traced_one_fails_loudly) and stats()["recompiles"] never counts one.
+    assert rt.stats()["compiles"] == warm
 
 
 @pytest.mark.parametrize("change", ["width", "dtype"])
@@ -130,7 +129,7 @@ def test_inductor_graphs_equal_the_reference(tmp_path, monkeypatch):
     eager = Runtime(model, mtp_depth=2, mtp_depths=(0, 2), batch_sizes=(1, 2), max_seq_len=48, compile_backend="eager", prefill_chunk=8)
     assert [o.token_ids for o in rt.generate(prompts, sampled)] == [o.token_ids for o in eager.generate(prompts, sampled)]
     stats = rt.stats()
-    assert stats["compiles"] == len(stats["graph_replays"]) == len(codes) and stats["recompiles"] == 0
+    assert stats["compiles"] == len(stats["graph_replays"]) == len(codes)
 
 
 def _assert_state_written_in_place(rt: Runtime, codes: list[str]) -> None:

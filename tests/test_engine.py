@@ -94,16 +94,29 @@ def test_accept_counts_stay_in_range(noisy_echo, k, temperature, seed):
     rt = runtime(noisy_echo, k)
     params = SamplingParams(max_new_tokens=20, temperature=temperature, top_k=30, seed=seed, ignore_eos=True)
     ids = [rt.add_request(p, params) for p in prompts_for(97, [4, 7, 2], seed=seed % 1000)]
+    finished = []
     while rt.has_unfinished():
         for out in rt.step():
             assert 1 <= len(out.new_token_ids) <= k + 1 or out.finished
             if out.finished:
                 assert out.output.num_accepted_tokens <= out.output.num_draft_tokens
                 assert len(out.output.token_ids) == 20
+                finished.append(out.output)
+    assert sorted(o.request_id for o in finished) == ids  # each request finished exactly once
     stats = rt.stats()
     assert all(0.0 <= r <= 1.0 for r in stats["acceptance_rate_per_position"])
     assert 1.0 <= stats["acceptance_length"] <= k + 1
-    assert len(ids) == 3
+    _assert_stats_add_up(rt, finished, prefills=3)
+
+
+def _assert_stats_add_up(rt: Runtime, outputs: list, prefills: int) -> None:
+    """The runtime's counters are the sums of its requests' (`outputs`: every request that ran; each
+    prefill emits one token outside the decode statistics)."""
+    stats = rt.stats()
+    assert stats["draft_tokens"] == sum(o.num_draft_tokens for o in outputs)
+    assert stats["accepted_tokens"] == sum(o.num_accepted_tokens for o in outputs)
+    emitted = sum(len(o.token_ids) for o in outputs) - prefills
+    assert stats["acceptance_length"] * stats["request_steps"] == pytest.approx(emitted)
 
 
 def _full_acceptance_run(echo, k, max_new, stop=()):
@@ -196,6 +209,56 @@ def test_padded_rows_never_touch_live_or_free_slots(noisy_echo):
     assert rt.stats()["graph_replays"]["target_verify/B4/K3"] > 0
     full = reference(noisy_echo, [prompts[3]], [30])[0]
     assert full[-len(got):] == got
+
+
+def test_abort_frees_the_slot_and_leaves_the_others_exact(noisy_echo):
+    """Two slots. Aborted: a queued request, a running one after some decode steps, and one after
+    the step it joined in (its whole prefill and first decode run inside that one step(), so no
+    abort can fall between them). Each freed slot goes to the next request, whose greedy tokens are
+    the reference's, as are the untouched request's; no step reports an aborted request again, and
+    the statistics add up over what ran."""
+    rt = runtime(noisy_echo, 2, buckets=(1, 2))
+    prompts = prompts_for(97, [5, 3, 7, 4, 6], seed=12)
+    keep, decoded, queued = (rt.add_request(p, GREEDY) for p in prompts[:3])
+    got: dict[int, list[int]] = {}
+    finished = []
+
+    def step():
+        for out in rt.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+            finished.extend([out.output] * out.finished)
+
+    def slot_of(request_id):
+        (slot,) = [s for s, r in rt._running.items() if r.out.request_id == request_id]
+        return slot
+
+    for _ in range(3):
+        step()
+    assert queued not in got  # both slots taken
+    dropped = rt.abort(queued)
+    assert dropped.token_ids == [] and dropped.finish_reason == "abort"
+    freed = slot_of(decoded)
+    partial = rt.abort(decoded)
+    assert partial.finish_reason == "abort" and partial.token_ids == got[decoded]
+    at_abort = {decoded: list(got[decoded])}
+    assert rt.abort(decoded) is None and rt.abort(queued) is None and rt.abort(999) is None  # no-ops
+    fresh = rt.add_request(prompts[3], GREEDY)
+    step()
+    assert slot_of(fresh) == freed
+    cut = rt.abort(fresh)
+    at_abort[fresh] = list(got[fresh])
+    late = rt.add_request(prompts[4], GREEDY)
+    step()
+    assert slot_of(late) == freed
+    while rt.has_unfinished():
+        step()
+    assert {i: got[i] for i in at_abort} == at_abort == {decoded: partial.token_ids, fresh: cut.token_ids} and queued not in got
+    expected = reference(noisy_echo, prompts, [12] * 5)
+    assert got[keep] == expected[0] and got[late] == expected[4]
+    assert partial.token_ids == expected[1][: len(partial.token_ids)] and cut.token_ids == expected[3][: len(cut.token_ids)]
+    assert sorted(o.request_id for o in finished) == [keep, late]
+    assert rt.abort(keep) is None and all(o.finish_reason == "length" for o in finished)  # finished: a no-op
+    _assert_stats_add_up(rt, finished + [partial, cut], prefills=4)
 
 
 def test_depth_can_change_between_steps(noisy_echo):

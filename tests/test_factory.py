@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from safetensors import safe_open
 from transformers import DeepseekV3ForCausalLM
 from transformers.generation.candidate_generator import MTPCandidateGenerator
@@ -16,6 +16,7 @@ from transformers.modeling_layers import MtpModel
 
 from tests.factory import (
     FP8_BLOCK,
+    FULL_FEATURED_CONFIGS,
     _wrapped,
     add_key,
     config_strategy,
@@ -324,6 +325,8 @@ def test_sharded_and_bf16(tmp_path: Path) -> None:
 
 
 @given(config_strategy())
+@example(FULL_FEATURED_CONFIGS[0])
+@example(FULL_FEATURED_CONFIGS[1])
 def test_strategy_configs_write_and_load(config) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = write_checkpoint(tmp, config, seed=1)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import tempfile
 
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 
 from compiled_mtp.models.checkpoint import load_model
-from tests.factory import config_strategy, hf_logits, hf_mtp_draft_logits, load_hf, write_checkpoint
+from tests.factory import FULL_FEATURED_CONFIGS, config_strategy, hf_logits, hf_mtp_draft_logits, load_hf, write_checkpoint
 
 # fp32 on tiny models: both sides differ only in summation order (absorbed vs expanded MLA,
 # gathered vs looped experts); observed differences are ~1e-6.
@@ -43,6 +43,8 @@ def engine_mtp_logits(model, tokens: list[int]) -> torch.Tensor:
 
 @settings(max_examples=12)
 @given(config_strategy())
+@example(FULL_FEATURED_CONFIGS[0])
+@example(FULL_FEATURED_CONFIGS[1])
 @torch.no_grad()
 def test_target_and_mtp_logits_match_hf(config):
     with tempfile.TemporaryDirectory() as tmp:

@@ -156,8 +156,12 @@ def test_no_key_only_op_survives_the_passes(model, state, kind, b, k):
 def test_folding_alone_changes_no_value(model, state, kind, b, k):
     before, after = _graphs(kind, b, k, model, state, ("fold_key_constants",))
     assert len(key_only(before.graph)) >= 10 and key_only(after.graph) == set()
-    _assert_same(before, after, state, model, kind, b, k)
-    _assert_same(after, after, state, model, kind, b, k)  # a second call sees the same constants
+    folded = {name: value.clone() for name, value in after.named_buffers() if name.startswith(PREFIX)}
+    assert folded
+    _assert_same(before, after, state, model, kind, b, k)  # calls `after` once per seed, in turn
+    # No call writes a constant (a folded zero accumulator updated in place would be one): each sees
+    # the values folded at compile time.
+    assert all(torch.equal(value, folded[name]) for name, value in after.named_buffers() if name.startswith(PREFIX))
 
 
 def _linear_weights(graph):

@@ -6,12 +6,12 @@ import tempfile
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from compiled_mtp.models.checkpoint import load_model
 from compiled_mtp.reference import reference_generate
-from tests.factory import config_strategy, hf_greedy, hf_mtp_generate, load_hf, write_checkpoint, write_echo_checkpoint
+from tests.factory import FULL_FEATURED_CONFIGS, config_strategy, hf_greedy, hf_mtp_generate, load_hf, write_checkpoint, write_echo_checkpoint
 
 NEW_TOKENS = 12
 
@@ -23,6 +23,8 @@ def _prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
 
 @settings(max_examples=6)
 @given(config_strategy(), st.lists(st.integers(1, 9), min_size=1, max_size=3))
+@example(FULL_FEATURED_CONFIGS[0], [5])
+@example(FULL_FEATURED_CONFIGS[1], [7])
 def test_greedy_equals_hf_generate_for_every_depth(config, lengths):
     with tempfile.TemporaryDirectory() as tmp:
         path = write_checkpoint(tmp, config, seed=5)

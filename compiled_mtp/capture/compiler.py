@@ -213,7 +213,7 @@ class CompiledGraphs:
                     self.loads += 1
                     return graph
             if problem != MISSING:
-                log.warning("capture cache: %s in %s is %s; rebuilding it", key_name(key), self.cache.root, problem)
+                log.warning("capture cache: %s at %s is %s; rebuilding it", key_name(key), self.cache.package(akey), problem)
             self._building(key)
             build = functools.partial(aot.build, kind, self.model, self.state, inputs, options=self.inductor_options)
             self.cache.store(akey, build, key_name(key))

@@ -49,7 +49,7 @@ def test_verify_sampling_is_fused_on_cuda_only_when_asked(checkpoint, monkeypatc
     model = load_model(checkpoint, device="cuda")
     state = StaticState(model, num_slots=3, max_seq_len=32, max_depth=2)
     _, after = post_grad_graphs("target_verify", model, state, example_inputs(("target_verify", 2, 2), model, 8), ("fuse_verify_sampling",))
-    fused = [n for n in after.graph.nodes if n.target is fuse_verify_sampling.FUSED]
+    fused = [n for n in after.graph.nodes if n.target is fuse_verify_sampling.FuseVerifySampling.op]
     assert len(fused) == fuse and all(n.args[0].meta["val"].is_cuda for n in fused)
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from compiled_mtp.capture.compiler import example_inputs
 from compiled_mtp.graphs.state import StaticState
@@ -21,14 +22,16 @@ from compiled_mtp.models.deepseek_v3 import Linear, gathered_experts, latent_att
 from compiled_mtp.passes.kernels import few_row_linear, greedy_sample, packed_linear, routed_experts
 from compiled_mtp.passes.kernels import live_attention as live_attention_kernel
 from compiled_mtp.passes.fold_key_constants import PREFIX, key_only
-from compiled_mtp.passes.fuse_draft_sampling import FUSED as DRAFT_FUSED
-from compiled_mtp.passes.fuse_verify_sampling import FUSED
 from compiled_mtp.capture.post_grad import post_grad_graphs
-from compiled_mtp.passes.manager import PassManager, available, inductor_options
-from compiled_mtp.passes import group_experts, live_attention, narrow_linear, packed_linear as packed_linear_pass
+from compiled_mtp.passes.fx_nodes import calls_of
+from compiled_mtp.passes.region import Unfusable, one_agreeing
+from compiled_mtp.passes.manager import REGISTRY, PassManager, available, inductor_options
+from compiled_mtp.passes import narrow_linear, packed_linear as packed_linear_pass
 from compiled_mtp.passes.packed_linear import LINEAR
 
 FEW_ROWS = torch.ops.compiled_mtp.few_row_linear.default
+FUSED = torch.ops.compiled_mtp.verify_sample.default
+DRAFT_FUSED = torch.ops.compiled_mtp.draft_sample.default
 ROUTED_EXPERTS = torch.ops.compiled_mtp.routed_experts.default
 LIVE_ATTENTION = torch.ops.compiled_mtp.live_attention.default
 
@@ -129,17 +132,15 @@ def test_each_draft_sampling_becomes_one_fused_op(model, state, kind, b, k, draf
 
 
 def test_draft_sampling_that_disagrees_with_the_op_stays(model, state, monkeypatch, caplog):
-    from compiled_mtp.passes import fuse_draft_sampling
-
     def wrong(logits, temperature, top_k, top_p, u):
         tokens, q = torch.ops.compiled_mtp.draft_sample(logits, temperature, top_k, top_p, u)
         return (tokens + 1) % logits.shape[-1], q
 
-    monkeypatch.setattr(fuse_draft_sampling, "FUSED", wrong)
+    monkeypatch.setattr(REGISTRY["fuse_draft_sampling"], "op", wrong)
     with caplog.at_level("WARNING", logger="compiled_mtp.passes"):
         _, after = _graphs("draft_extend", 2, 1, model, state, ("fuse_draft_sampling",))
     assert _count(after, aten.sort.stable) == 1
-    assert "fuse_draft_sampling: left unfused: the fused op reproduces 0%" in caplog.text
+    assert "fuse_draft_sampling: left as traced: the op reproduces the region on 0%, 0%, 0%, 0%, 0%, 0% of the probes under the 6 assignments of its inputs, expected exactly one at 90% or more" in caplog.text
 
 
 @pytest.mark.parametrize("kind,b,k", [("prefill", 1, 0), ("draft_decode", 2, 3), ("target_verify", 2, 2), ("draft_extend", 2, 2)])
@@ -320,17 +321,20 @@ def test_group_experts_replaces_each_moe_layers_gathered_products(model, state, 
 
 
 @pytest.mark.parametrize("kind,b,k", [("target_verify", 1, 0), ("draft_decode", 1, 2)])
-def test_group_experts_leaves_one_row_layers_to_inductor(model, state, kind, b, k):
-    before, after = _graphs(kind, b, k, model, state, ("group_experts",))
+def test_group_experts_leaves_one_row_layers_to_inductor(model, state, kind, b, k, caplog):
+    with caplog.at_level("INFO", logger="compiled_mtp.passes"):
+        before, after = _graphs(kind, b, k, model, state, ("group_experts",))
     assert _count(before, aten.index.Tensor) >= 3 and len(after.graph.nodes) == len(before.graph.nodes)
+    passes_log = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "compiled_mtp.passes"]
+    assert passes_log == [("INFO", "group_experts: left as traced: 1 row(s), fewer than MIN_ROWS (2)")]
 
 
 def test_group_experts_leaves_a_layer_the_op_does_not_reproduce(model, state, monkeypatch, caplog):
     """The probe decides: an op that disagrees with the traced products replaces nothing."""
-    monkeypatch.setattr(group_experts, "ROUTED_EXPERTS", lambda x, *args: torch.zeros_like(x))
+    monkeypatch.setattr(REGISTRY["group_experts"], "op", lambda x, *args: torch.zeros_like(x))
     before, after = _graphs("target_verify", 1, 1, model, state, ("group_experts",))
     assert len(after.graph.nodes) == len(before.graph.nodes)
-    assert "group_experts: a MoE layer's experts stay gathered: 0 of 2 assignments of its inputs agree with the op, expected 1" in caplog.text
+    assert "group_experts: left as traced: the op reproduces the region on 0%, 0% of the probes under the 2 assignments of its inputs, expected exactly one at 100% or more" in caplog.text
 
 
 @settings(max_examples=40)
@@ -402,11 +406,11 @@ def test_attention_reads_only_the_live_cache(model, state, kind, b, k, calls):
 
 
 def test_attention_the_op_does_not_reproduce_stays(model, state, monkeypatch, caplog):
-    monkeypatch.setattr(live_attention, "FUSED", lambda *args: LIVE_ATTENTION(*args) * 1.01)
+    monkeypatch.setattr(REGISTRY["live_attention"], "op", lambda *args: LIVE_ATTENTION(*args) * 1.01)
     with caplog.at_level("WARNING", logger="compiled_mtp.passes"):
         _, after = _graphs("draft_extend", 1, 1, model, state, ("live_attention",))
     assert _count(after, LIVE_ATTENTION) == 0 and len(_cache_gathers(after, state.max_seq_len)) == 1
-    assert "live_attention: left traced: the op agrees with the region under 0 assignments" in caplog.text
+    assert "live_attention: left as traced: the op reproduces the region on 0%, 0% of the probes under the 2 assignments of its inputs, expected exactly one at 100% or more" in caplog.text
 
 
 def _attention_case(gen: torch.Generator, batch: int, rows: int, capacity: int, heads: int, rank: int, rope: int, slots: int, blind: bool):
@@ -452,6 +456,75 @@ def test_live_attention_falls_back_to_the_model_function(monkeypatch):
 
     with _unbuilt(live_attention_kernel, "the model's attention on the live entries", monkeypatch):
         torch.testing.assert_close(LIVE_ATTENTION(*case, 0.3), expected, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+def test_one_agreeing_takes_only_a_single_agreeing_assignment():
+    """The region a - b: of the two ways to feed it (x, y), the op sub agrees under one only; an op
+    both agree with, or neither, replaces nothing; a region that raises on probes says so."""
+    graph = torch.fx.symbolic_trace(lambda a, b: a - b).graph
+    a, b = (n for n in graph.nodes if n.op == "placeholder")
+    (out,) = (n for n in graph.nodes if n.op == "call_function")
+    x, y = torch.tensor([5.0]), torch.tensor([2.0])
+
+    def pick(op):
+        return one_agreeing([a, b], [out], [[a, b], [b, a]], lambda region, args: float(torch.equal(region(args, [x, y])[0], op(x, y))))
+
+    assert pick(torch.sub) == [a, b]
+    with pytest.raises(Unfusable, match=r"^the op reproduces the region on 0%, 0% of the probes under the 2 assignments of its inputs, expected exactly one at 100% or more$"):
+        pick(torch.add)
+    with pytest.raises(Unfusable, match=r"^the op reproduces the region on 100%, 100% of the probes under the 2 assignments"):
+        one_agreeing([a, b], [out], [[a, b], [a, b]], lambda region, args: 1.0)
+    with pytest.raises(Unfusable, match=r"^the region does not run on probe inputs \(RuntimeError: "):
+        one_agreeing([a, b], [out], [[a, b]], lambda region, args: float(region(args, [torch.ones(2), torch.ones(3)])[0].sum()))
+
+
+def _inner(x):
+    return torch.sin(x).cos() + 1
+
+
+def _outer(x, y):
+    return _inner(x) * y + _inner(y)
+
+
+class _Stop(Exception):
+    pass
+
+
+class _FindInner(CustomGraphPass):
+    """Records the calls of `_inner` that `calls_of` finds in the post-grad graph (their nodes'
+    targets, and the nodes they read), then ends the compile."""
+
+    found: list = []
+
+    def __call__(self, graph):
+        _FindInner.found = [(sorted(str(n.target) for n in nodes), len(inputs)) for nodes, inputs, _ in calls_of(graph, _inner)]
+        raise _Stop
+
+    def uuid(self):
+        return None
+
+
+@pytest.mark.parametrize("capture", ["torch.compile", "torch.export strict"])
+def test_provenance_reaches_the_post_grad_graph(capture, tmp_path):
+    """The region passes find a function's calls by the stack traces of its nodes; if a torch release
+    stopped carrying them through Dynamo or torch.export to Inductor's post-grad graph, every region
+    pass would silently stop fusing. This fails loudly instead."""
+    x, y = torch.randn(8), torch.randn(8)
+    options = {"post_grad_custom_post_pass": _FindInner(), "fx_graph_cache": False}
+    _FindInner.found = []
+    with pytest.raises(Exception) as stopped:
+        if capture == "torch.compile":
+            torch.compile(_outer, backend="inductor", options=options, fullgraph=True)(x, y)
+        else:
+            ep = torch.export.export(_Module(), (x, y), strict=True)  # as captures export: non-strict keeps only forward frames
+            torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "graph.pt2"), inductor_configs=options)
+    assert isinstance(stopped.value, _Stop) or isinstance(stopped.value.__cause__, _Stop) or "_Stop" in str(stopped.value)
+    assert _FindInner.found == [(["aten.add.Tensor", "aten.cos.default", "aten.sin.default"], 1)] * 2
+
+
+class _Module(torch.nn.Module):
+    def forward(self, x, y):
+        return _outer(x, y)
 
 
 def test_switches_and_uuids():

@@ -6,6 +6,7 @@ import operator
 import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import fx
@@ -31,7 +32,27 @@ def upstream(nodes: list[fx.Node], stop: Iterable[fx.Node] = ()) -> list[fx.Node
     return in_graph_order(found, nodes[0].graph)
 
 
-def traced_region(graph: fx.Graph, frame: re.Pattern) -> set[fx.Node]:
+def calls_of(graph: fx.Graph, fn: Callable) -> Iterator[tuple[set[fx.Node], list[fx.Node], list[fx.Node]]]:
+    """Each call of the traced function `fn` in `graph` (one connected part of its region): (its
+    nodes, the external nodes they read, those of its nodes read outside it).
+
+    Found by provenance: every node traced inside `fn` carries `fn`'s frame in its stack trace, through
+    torch.compile or a strict torch.export (a non-strict one keeps only `forward` frames) into
+    Inductor's post-grad graph; tests/test_passes.py fails if a torch release stops carrying them.
+    (`torch.fx.traceback.annotate` markers would be explicit, but do not survive the export.)
+    Nodes Inductor created without a trace join when all their users are in the region."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for region in sorted(connected_parts(_traced_region(graph, _frame(fn))), key=lambda part: min(map(order.__getitem__, part))):
+        yield region, *boundary(graph, region)  # in graph order, so that the ops' node names do not vary from run to run
+
+
+def _frame(fn: Callable) -> re.Pattern:
+    """The stack-trace line of a frame of `fn`: its file's last two path parts, any line, its name."""
+    path = Path(fn.__code__.co_filename)
+    return re.compile(rf'{re.escape(path.parent.name)}[/\\]{re.escape(path.name)}", line \d+, in {re.escape(fn.__name__)}\n')
+
+
+def _traced_region(graph: fx.Graph, frame: re.Pattern) -> set[fx.Node]:
     """The nodes traced inside a function, found by `frame` in their stack traces, and the nodes
     Inductor created without a trace whose users are all in the region."""
     region = {n for n in graph.nodes if n.op == "call_function" and frame.search(n.meta.get("stack_trace") or "")}
@@ -63,13 +84,6 @@ def connected_parts(region: set[fx.Node]) -> list[set[fx.Node]]:
     return parts
 
 
-def traced_calls(graph: fx.Graph, frame: re.Pattern) -> Iterator[tuple[set[fx.Node], list[fx.Node], list[fx.Node]]]:
-    """Each call of a traced function (one connected part of its region): (its nodes, the external
-    nodes they read, those of its nodes read outside it)."""
-    for region in connected_parts(traced_region(graph, frame)):
-        yield region, *boundary(graph, region)
-
-
 def boundary(graph: fx.Graph, region: set[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
     """External nodes the region reads and region nodes read outside it, in graph order."""
     inputs = {a for n in region for a in n.all_input_nodes if a not in region}
@@ -77,9 +91,14 @@ def boundary(graph: fx.Graph, region: set[fx.Node]) -> tuple[list[fx.Node], list
     return in_graph_order(inputs, graph), in_graph_order(outputs, graph)
 
 
-def call_in_place_of(graph: fx.Graph, target: Callable, args: list[fx.Node], outputs: list[fx.Node]) -> None:
-    """Call `target(*args)` after the last of `args`; its results' items take the uses of `outputs`."""
-    with graph.inserting_after(in_graph_order(args, graph)[-1]):
+def call_in_place_of(graph: fx.Graph, target: Callable, args: list, outputs: list[fx.Node]) -> None:
+    """Call `target(*args)` after the last node among `args`. One output: the result takes its uses
+    (its metadata computed from the inputs' fake values). Several: `target` returns a tuple, whose
+    items take the uses of `outputs` in order."""
+    with graph.inserting_after(in_graph_order([a for a in args if isinstance(a, fx.Node)], graph)[-1]):
+        if len(outputs) == 1:
+            outputs[0].replace_all_uses_with(call(graph, target, *args))
+            return
         fused = graph.call_function(target, tuple(args))
     fused.meta["val"] = tuple(n.meta["val"] for n in outputs)
     with graph.inserting_after(fused):

@@ -135,7 +135,10 @@ def _run(rt: Runtime, prompts: list, heads: list[str], params: SamplingParams, s
     pending = list(texts.values())  # not yet written in full, in prompt order
     while rt.has_unfinished():
         for s in rt.step():
-            texts[s.request_id].add(s.new_token_ids, s.output)
+            text = texts[s.request_id]
+            text.add(s.new_token_ids, s.output)
+            if text.stopped and text.out is None:  # at a stop text: the request ends here, its slot goes
+                text.out = rt.abort(s.request_id)
         while stream and pending:
             sys.stdout.write(pending[0].take())
             if pending[0].out is None:

@@ -51,6 +51,9 @@ class RequestOutput:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     text: str | None = None  # the decoded tokens, when the checkpoint has a tokenizer
+    # Drafts the target accepted at each decode step with K > 0, in order, counted before a stop
+    # token or max_new_tokens cut the step's tokens (num_accepted_tokens counts only emitted ones).
+    accepted_per_step: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -368,6 +371,8 @@ class Runtime:
             counted = min(accepted, len(emitted))
             out.num_draft_tokens += depth
             out.num_accepted_tokens += counted
+            if depth:
+                out.accepted_per_step.append(accepted)
             self._stats.record(depth, len(emitted), counted)
             self._policy.observe(req.rates, depth, accepted)
         if reason is not None:

@@ -148,6 +148,7 @@ class Runtime:
         self._running: dict[int, _Request] = {}
         self._free = list(range(buckets[-1]))[::-1]
         self._stats = _Stats()
+        self._held: list[StepOutput] = []  # other requests' outputs from steps run by generate()
 
     @classmethod
     def from_pretrained(
@@ -217,10 +218,13 @@ class Runtime:
         return req.out.request_id
 
     def has_unfinished(self) -> bool:
-        return bool(self._waiting or self._running)
+        """Requests waiting or running, or outputs that step() has yet to return."""
+        return bool(self._waiting or self._running or self._held)
 
     def generate(self, prompts: Sequence[Sequence[int] | str], params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Run prompts to completion; one SamplingParams for all or one per prompt."""
+        """Run prompts to completion; one SamplingParams for all or one per prompt. Requests added
+        with add_request keep running alongside; what they gain meanwhile is returned by the next
+        step(), so a caller streaming them loses no token."""
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
@@ -230,12 +234,21 @@ class Runtime:
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
         wanted, done = set(ids), {}
         while len(done) < len(ids):
-            done.update((s.request_id, s.output) for s in self.step() if s.output is not None and s.request_id in wanted)
+            for s in self._step():
+                if s.request_id not in wanted:
+                    self._held.append(s)  # a streamed request's: the caller's next step() returns it
+                elif s.output is not None:
+                    done[s.request_id] = s.output
         return [done[i] for i in ids]
 
     def step(self) -> list[StepOutput]:
         """Admit waiting requests (prefill) while slots are free, then run one speculative step for
-        every running request. Returns the tokens each request gained."""
+        every running request. Returns the tokens each request gained, after those that requests
+        not its own gained during a `generate` call since the last step()."""
+        held, self._held = self._held, []
+        return held + self._step()
+
+    def _step(self) -> list[StepOutput]:
         outputs: list[StepOutput] = []
         while self._waiting and self._free:
             outputs.append(self._prefill(self._waiting.popleft()))

@@ -114,7 +114,7 @@ class Runtime:
         max_seq_len: int = 2048,
         compile_backend: str = "inductor",
         passes: Sequence[str] | None = None,
-        prefill_chunk: int = 64,
+        prefill_chunk: int | None = None,
         seed: int = 0,
         cache_dir: str | Path | None = None,
         tokenizer: Tokenizer | None = None,
@@ -127,6 +127,8 @@ class Runtime:
         buckets = sorted(set(batch_sizes))
         if not buckets or buckets[0] < 1:
             raise ValueError(f"batch_sizes: must be positive integers, got {list(batch_sizes)}")
+        if prefill_chunk is None:  # 64 rows a prefill call, fewer when the cache is shorter
+            prefill_chunk = min(64, max_seq_len)
         if not 1 <= prefill_chunk <= max_seq_len:
             raise ValueError(f"prefill_chunk: must be in [1, max_seq_len={max_seq_len}], got {prefill_chunk}")
         self.model = model
@@ -173,7 +175,8 @@ class Runtime:
 
         Options: `mtp_depths` (extra depths to allow switching to), `compile_backend` ("inductor",
         "aot_eager" or "eager"), `passes` (names of the custom FX passes to run, of
-        `passes.manager.available()`; None = all, () = none), `prefill_chunk`, `seed` (for requests
+        `passes.manager.available()`; None = all, () = none), `prefill_chunk` (prompt tokens per prefill call,
+        default min(64, max_seq_len)), `seed` (for requests
         without one). `cache_dir` is a capture cache (CPU only): graphs are loaded from it, and those
         it lacks are built once and stored there."""
         if dtype not in DTYPES:

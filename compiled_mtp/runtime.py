@@ -56,6 +56,9 @@ class RequestOutput:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     text: str | None = None  # the decoded tokens, when the checkpoint has a tokenizer
+    # Drafts the target accepted at each decode step with K > 0, in order, counted before a stop
+    # token or max_new_tokens cut the step's tokens (num_accepted_tokens counts only emitted ones).
+    accepted_per_step: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -116,7 +119,7 @@ class Runtime:
         max_seq_len: int = 2048,
         compile_backend: str = "inductor",
         passes: Sequence[str] | None = None,
-        prefill_chunk: int = 64,
+        prefill_chunk: int | None = None,
         seed: int = 0,
         cache_dir: str | Path | None = None,
         tokenizer: Tokenizer | None = None,
@@ -129,6 +132,8 @@ class Runtime:
         buckets = sorted(set(batch_sizes))
         if not buckets or buckets[0] < 1:
             raise ValueError(f"batch_sizes: must be positive integers, got {list(batch_sizes)}")
+        if prefill_chunk is None:  # 64 rows a prefill call, fewer when the cache is shorter
+            prefill_chunk = min(64, max_seq_len)
         if not 1 <= prefill_chunk <= max_seq_len:
             raise ValueError(f"prefill_chunk: must be in [1, max_seq_len={max_seq_len}], got {prefill_chunk}")
         self.model = model
@@ -151,6 +156,7 @@ class Runtime:
         self._running: dict[int, _Request] = {}
         self._free = list(range(buckets[-1]))[::-1]
         self._stats = _Stats()
+        self._held: list[StepOutput] = []  # other requests' outputs from steps run by generate()
 
     @classmethod
     def from_pretrained(
@@ -176,7 +182,8 @@ class Runtime:
 
         Options: `mtp_depths` (extra depths to allow switching to), `compile_backend` ("inductor",
         "aot_eager" or "eager"), `passes` (names of the custom FX passes to run, of
-        `passes.manager.available()`; None = all, () = none), `prefill_chunk`, `seed` (for requests
+        `passes.manager.available()`; None = all, () = none), `prefill_chunk` (prompt tokens per prefill call,
+        default min(64, max_seq_len)), `seed` (for requests
         without one). `cache_dir` is a capture cache (CPU only): graphs are loaded from it, and those
         it lacks are built once and stored there. True (the default) is the per-user cache,
         `capture.cache.user_cache()`, on CPU (on CUDA graphs compile in the process); None or False
@@ -244,11 +251,14 @@ class Runtime:
         return req.out
 
     def has_unfinished(self) -> bool:
-        return bool(self._waiting or self._running)
+        """Requests waiting or running, or outputs that step() has yet to return."""
+        return bool(self._waiting or self._running or self._held)
 
     def generate(self, prompts: Sequence[Sequence[int] | str], params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         """Run prompts to completion; one SamplingParams for all or one per prompt. Every prompt and
-        SamplingParams is checked before any is queued: on a ValueError nothing was added."""
+        SamplingParams is checked before any is queued: on a ValueError nothing was added. Requests
+        added with add_request keep running alongside; what they gain meanwhile is returned by the
+        next step(), so a caller streaming them loses no token."""
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
@@ -257,12 +267,21 @@ class Runtime:
         ids = [self.add_request(p, sp) for p, sp in zip(checked, params)]
         wanted, done = set(ids), {}
         while len(done) < len(ids):
-            done.update((s.request_id, s.output) for s in self.step() if s.output is not None and s.request_id in wanted)
+            for s in self._step():
+                if s.request_id not in wanted:
+                    self._held.append(s)  # a streamed request's: the caller's next step() returns it
+                elif s.output is not None:
+                    done[s.request_id] = s.output
         return [done[i] for i in ids]
 
     def step(self) -> list[StepOutput]:
         """Admit waiting requests (prefill) while slots are free, then run one speculative step for
-        every running request. Returns the tokens each request gained."""
+        every running request. Returns the tokens each request gained, after those that requests
+        not its own gained during a `generate` call since the last step()."""
+        held, self._held = self._held, []
+        return held + self._step()
+
+    def _step(self) -> list[StepOutput]:
         outputs: list[StepOutput] = []
         while self._waiting and self._free:
             outputs.append(self._prefill(self._waiting.popleft()))
@@ -405,6 +424,8 @@ class Runtime:
             counted = min(accepted, len(emitted))
             out.num_draft_tokens += depth
             out.num_accepted_tokens += counted
+            if depth:
+                out.accepted_per_step.append(accepted)
             self._stats.record(depth, len(emitted), counted)
             self._policy.observe(req.rates, depth, accepted)
         if reason is not None:

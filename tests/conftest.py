@@ -19,7 +19,13 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 from transformers import DeepseekV3ForCausalLM  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
-from tests.factory import load_hf, tiny_config, write_checkpoint, write_echo_checkpoint  # noqa: E402
+from tests.factory import (  # noqa: E402
+    load_hf,
+    tiny_config,
+    write_checkpoint,
+    write_distilled_checkpoint,
+    write_echo_checkpoint,
+)
 
 # "ci" (default): deterministic and quick. "thorough": HYPOTHESIS_PROFILE=thorough pytest ...
 settings.register_profile(
@@ -42,6 +48,19 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def echo_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """`write_echo_checkpoint` at attn_scale 0, no MTP noise: near-100% greedy acceptance."""
     return write_echo_checkpoint(tmp_path_factory.mktemp("echo"))
+
+
+@pytest.fixture(scope="session")
+def distilled_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`write_distilled_checkpoint`: one MTP layer that uses the hidden and attention, drafts accepted
+    about 60% of the times they are reached."""
+    return write_distilled_checkpoint(tmp_path_factory.mktemp("distilled"))
+
+
+@pytest.fixture(scope="session")
+def distilled2_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`write_distilled_checkpoint` with two MTP layers (depth 2 drafts with the second)."""
+    return write_distilled_checkpoint(tmp_path_factory.mktemp("distilled2"), num_mtp_layers=2)
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,10 @@ from hypothesis import strategies as st
 from compiled_mtp import DEFAULT_MODEL, RequestOutput, Runtime, SamplingParams
 from compiled_mtp.capture.compiler import progress
 from compiled_mtp.cli import _Text, build_parser, main
+from compiled_mtp.models.checkpoint import load_model
 from compiled_mtp.models.synthetic import preset_config, write_random_checkpoint
+from compiled_mtp.reference import reference_generate
+from compiled_mtp.tokenizer import Tokenizer
 
 ENGINE = ["--backend", "eager", "--max-seq-len", "128"]
 
@@ -221,3 +224,26 @@ def test_graph_builds_report_their_key_time_and_the_count_left(text_model, caplo
     ]
     assert len(built) == len(expected) and all(re.fullmatch(e, m) for e, m in zip(expected, built)), built
     assert reported() == built
+
+
+def test_random_checkpoint_then_generate_from_ids(tmp_path, capsys):
+    main(["random-checkpoint", "--preset", "tiny", "--out", str(tmp_path / "ckpt"), "--seed", "3"])
+    assert capsys.readouterr().out == f"wrote a random 'tiny' DeepSeek-V3 checkpoint to {tmp_path / 'ckpt'}\n"
+    main(["generate", "--ids", "5 6 7", "--model", str(tmp_path / "ckpt"), "--mtp-depth", "2", "--max-new-tokens", "9", "--backend", "eager", "--max-seq-len", "32"])
+    lines = capsys.readouterr().out.splitlines()
+    model = load_model(tmp_path / "ckpt")
+    expected = reference_generate(model, [[5, 6, 7]], 9, 0)[0].token_ids
+    stops = [i for i, t in enumerate(expected) if t in model.cfg.eos_token_ids]
+    assert lines[0] == " ".join(map(str, expected[: stops[0] + 1] if stops else expected))
+    assert lines[1].startswith("finish_reason=") and lines[2].startswith("  K=2: ")
+
+
+def test_generate_text_on_the_shipped_model(capsys):
+    prompt = "def add(a, b):\n"
+    main(["generate", prompt, "--mtp-depth", "1", "--max-new-tokens", "6", "--backend", "eager", "--max-seq-len", "64"])
+    lines = capsys.readouterr().out.splitlines()
+    tokenizer = Tokenizer.find(DEFAULT_MODEL)
+    expected = reference_generate(load_model(DEFAULT_MODEL), [tokenizer.encode(prompt)], 6, 0)[0].token_ids
+    text = "\n".join(lines[: prompt.count("\n") + tokenizer.decode(expected).count("\n") + 1])
+    assert text == prompt + tokenizer.decode(expected)
+    assert any(line.startswith("finish_reason=") for line in lines)

@@ -131,3 +131,55 @@ def _assert_follows(pairs: torch.Tensor, target: torch.Tensor, draft: torch.Tens
         assert gap > FLOOR + NOISE, f"{case}: a wrong chain lies only {gap:.4f} from the target"
         far, early_far = _distance(counts, ref), _distance(_counts(pairs[: TRANSITIONS // 16]), ref)
         assert far > FLOOR and far > 0.5 * early_far, f"{case}: distance to a wrong chain fell to {far:.4f}"
+
+
+TOP_K, TOP_P = 6, 0.85
+STREAMED = TRANSITIONS // 3  # the truncated rows have at most TOP_K cells: fewer samples fill them
+
+
+def _truncated_chain(model) -> torch.Tensor:
+    """The target's transition rows after top-k then top-p (processed_probs, itself held to HF's
+    processors in test_sampling.py)."""
+    from compiled_mtp.graphs.sampling import processed_probs
+
+    tokens = torch.arange(VOCAB)[:, None]
+    zeros = torch.zeros(VOCAB, 1, dtype=torch.long)
+    h = model.forward_target(tokens, zeros, zeros, torch.zeros(VOCAB, dtype=torch.long), model.new_cache(1, 1, 1))
+    rows = torch.full((VOCAB,), 1.0)
+    return processed_probs(model.logits(h)[:, 0], rows * TEMPERATURE, (rows * TOP_K).long(), rows * TOP_P).double()
+
+
+def _streamed_transitions(model, seed: int) -> tuple[torch.Tensor, dict[int, int]]:
+    """Like _transitions, with top-k and top-p, requests joining between steps and leaving when done
+    (the batch moves between buckets) and the depth switching every step among 0..3."""
+    rt = Runtime(model, mtp_depth=0, mtp_depths=(0, 1, 2, 3), batch_sizes=(4, 8, 16), max_seq_len=64, compile_backend="eager", prefill_chunk=4)
+    gen = torch.Generator().manual_seed(seed)
+    tokens: dict[int, list[int]] = {}
+    schedule, step, total = [3, 0, 1, 2, 0, 3, 3], 0, 0
+    while total < STREAMED:
+        for _ in range(int(torch.randint(0, 7, (), generator=gen))):  # about 16 running, more queued
+            start, n = torch.randint(VOCAB, (2,), generator=gen).tolist()
+            params = SamplingParams(max_new_tokens=8 + 4 * n, temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P, seed=seed * 100_000 + len(tokens), ignore_eos=True)
+            tokens[rt.add_request([start], params)] = [start]
+        rt.mtp_depth = schedule[step % len(schedule)]
+        for out in rt.step():
+            tokens[out.request_id] += out.new_token_ids
+            total += len(out.new_token_ids)
+        step += 1
+    pairs = [torch.stack([torch.tensor(t[:-1]), torch.tensor(t[1:])], dim=1) for t in tokens.values() if len(t) > 1]
+    return torch.cat(pairs)[:STREAMED], rt.stats()["depth_histogram"]
+
+
+def test_top_k_top_p_sampling_follows_the_truncated_chain_through_depth_switches_and_join_leave(markov):
+    model, _, draft = markov
+    target = _truncated_chain(model)
+    assert ((target > 0).sum(-1) > 1).all() and (target == 0).any()  # both cuts matter on this chain
+    pairs, depths = _streamed_transitions(model, seed=300)
+    assert set(depths) == {0, 1, 2, 3}
+    counts = _counts(pairs)
+    assert counts[target == 0].sum() == 0, "a token outside top-k/top-p was sampled"
+    support = target > 0
+    p = min(chi_square_p_value(counts[x][support[x]], target[x][support[x]]) for x in range(VOCAB)) * VOCAB
+    assert p > 1e-6, f"chi-square p={p:.2e}"
+    early, full = _distance(_counts(pairs[: STREAMED // 16]), target), _distance(counts, target)
+    assert full < early / 2 and _distance(counts, draft) > 0.05

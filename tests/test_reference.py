@@ -1,4 +1,5 @@
-"""The eager reference loop against HF generate: greedy tokens for K = 0..4, accepted counts at K = 1."""
+"""The eager reference loop against HF generate: greedy tokens for K = 0..4, accepted counts at K = 1,
+and at K = 2 with two MTP layers the acceptance of each step's first draft."""
 
 from __future__ import annotations
 
@@ -54,3 +55,32 @@ def test_k1_accepted_counts_equal_hf_mtp(tmp_path, mtp_noise):
         else:
             assert 0 < sum(accepted) < len(accepted)
 
+
+
+def _starts(accepted: list[int]) -> list[int]:
+    """The generated-token index each step's drafts start at (token 0 is prefill's)."""
+    starts = [1]
+    for a in accepted[:-1]:
+        starts.append(starts[-1] + a + 1)
+    return starts
+
+
+def test_k2_with_two_mtp_layers_against_hf_mtp(distilled2_checkpoint):
+    """HF drafts one token per MTP layer, so on a checkpoint with two its generate(use_mtp=True) is
+    our K = 2. Tokens are equal. Each step's first draft comes from MTP layer 0, whose cache holds
+    every position in both, so at every step that starts at the same token both accept it or both
+    reject it. The second draft comes from layer 1, whose cache HF fills at every position and the
+    engine only at the positions it drafted at (docs/design.md), so its acceptance may differ."""
+    hf, ours = load_hf(distilled2_checkpoint), load_model(distilled2_checkpoint)
+    compared = 0
+    for prompt in _prompts(97, [3, 8, 5], seed=4):
+        tokens, accepted = hf_mtp_generate(hf, prompt, 24)
+        ref = reference_generate(ours, [prompt], 24, 2)[0]
+        assert ref.token_ids == tokens
+        hf_first = {s: a > 0 for s, a in zip(_starts(accepted), accepted)}
+        ref_first = {s: a > 0 for s, a in zip(_starts(ref.accepted), ref.accepted)}
+        common = hf_first.keys() & ref_first.keys()
+        assert {s: hf_first[s] for s in common} == {s: ref_first[s] for s in common}
+        compared += len(common)
+        assert max(accepted) == 2 and 0 in accepted
+    assert compared >= 25

@@ -247,3 +247,16 @@ def test_generate_text_on_the_shipped_model(capsys):
     text = "\n".join(lines[: prompt.count("\n") + tokenizer.decode(expected).count("\n") + 1])
     assert text == prompt + tokenizer.decode(expected)
     assert any(line.startswith("finish_reason=") for line in lines)
+
+
+def test_demo_runs_every_depth_and_prints_the_greedy_text(capsys):
+    from compiled_mtp.cli import DEMO_PROMPT
+
+    main(["demo", "--backend", "eager", "--no-cache", "--max-new-tokens", "4"])
+    out = capsys.readouterr().out
+    for depth in ("0", "3", "auto"):
+        assert re.search(rf"^  K={depth}: graphs ready in [\d.]+ s \(0 compiled, 0 loaded from the cache\)$", out, re.M), out
+        assert re.search(rf"^  K={depth}.*: 4 tokens in [\d.]+ s \([\d.]+ tok/s\), acceptance length", out, re.M), out
+    tokenizer = Tokenizer.find(DEFAULT_MODEL)
+    expected = reference_generate(load_model(DEFAULT_MODEL), [tokenizer.encode(DEMO_PROMPT)], 4, 0)[0].token_ids
+    assert out.endswith("generated (auto, greedy):\n" + DEMO_PROMPT + tokenizer.decode(expected) + "\n")

@@ -222,7 +222,10 @@ class Runtime:
         """Queue a request (token ids, or text when the checkpoint has a tokenizer); returns its id.
         Raises ValueError (naming the field) on bad input."""
         params = params or SamplingParams()
-        prompt = self._check(prompt, params)
+        return self._queue(self._check(prompt, params), params)
+
+    def _queue(self, prompt: list[int], params: SamplingParams) -> int:
+        """Queue a request `_check` has passed."""
         seed = operator.index(params.seed) if params.seed is not None else int(torch.randint(2**62, (), generator=self._seeds))
         greedy = params.temperature == 0
         stop_ids = frozenset(map(operator.index, params.stop_token_ids))  # a torch integer hashes by identity
@@ -264,7 +267,7 @@ class Runtime:
         if len(params) != len(prompts):
             raise ValueError(f"params: expected 1 or {len(prompts)} SamplingParams, got {len(params)}")
         checked = [self._check(p, sp, where=f"prompts[{i}]") for i, (p, sp) in enumerate(zip(prompts, params))]
-        ids = [self.add_request(p, sp) for p, sp in zip(checked, params)]
+        ids = [self._queue(p, sp) for p, sp in zip(checked, params)]
         wanted, done = set(ids), {}
         while len(done) < len(ids):
             for s in self._step():

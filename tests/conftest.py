@@ -15,6 +15,10 @@ if not torch.cuda.is_available():  # before any Triton kernel is defined: they r
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+
+from compiled_mtp.ops import library  # noqa: E402
+
+library.load()  # the C++ ops: the tests name them (torch.ops.compiled_mtp.*) when they are collected
 from hypothesis import HealthCheck, settings  # noqa: E402
 from transformers import DeepseekV3ForCausalLM  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402

@@ -5,22 +5,16 @@ test_compiled.py (torch.compile) and test_capture.py (AOTInductor)."""
 
 from __future__ import annotations
 
-import copy
-import re
-from contextlib import contextmanager
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from compiled_mtp.capture.compiler import example_inputs
 from compiled_mtp.graphs.state import StaticState
 from compiled_mtp.models.checkpoint import load_model
-from compiled_mtp.models.deepseek_v3 import Linear, gathered_experts, latent_attention
-from compiled_mtp.passes.kernels import few_row_linear, greedy_sample, packed_linear, routed_experts
-from compiled_mtp.passes.kernels import live_attention as live_attention_kernel
+from compiled_mtp.models.deepseek_v3 import Linear
+from compiled_mtp.ops import packed_linear
 from compiled_mtp.passes.fold_key_constants import PREFIX, key_only
 from compiled_mtp.capture.post_grad import post_grad_graphs
 from compiled_mtp.passes.fx_nodes import calls_of
@@ -49,6 +43,11 @@ def model(tiny_checkpoint):
 @pytest.fixture(scope="module")
 def state(model):
     return StaticState(model, num_slots=5, max_seq_len=32, max_depth=3)
+
+
+def _replace_op(monkeypatch, name, op):
+    """Pass `name` replaces its regions with `op` instead of its own."""
+    monkeypatch.setattr(type(REGISTRY[name]), "op", property(lambda self: op))
 
 
 def _graphs(kind, b, k, model, state, passes):
@@ -136,7 +135,7 @@ def test_draft_sampling_that_disagrees_with_the_op_stays(model, state, monkeypat
         tokens, q = torch.ops.compiled_mtp.draft_sample(logits, temperature, top_k, top_p, u)
         return (tokens + 1) % logits.shape[-1], q
 
-    monkeypatch.setattr(REGISTRY["fuse_draft_sampling"], "op", wrong)
+    _replace_op(monkeypatch, "fuse_draft_sampling", wrong)
     with caplog.at_level("WARNING", logger="compiled_mtp.passes"):
         _, after = _graphs("draft_extend", 2, 1, model, state, ("fuse_draft_sampling",))
     assert _count(after, aten.sort.stable) == 1
@@ -252,63 +251,6 @@ def test_narrow_linear_sends_large_weights_on_2_to_4_rows_to_the_kernel(model, s
     _assert_same(before, after, state, model, kind, b, k, exact=False)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
-@pytest.mark.parametrize("out_features,in_features", [(1, 40), (5, 17), (4099, 768), (7, 3)])
-def test_few_row_linear_matches_f_linear(rows, out_features, in_features):
-    """Every row count the kernel has a loop for, with and without a partial last block of weight rows
-    and a tail shorter than a vector."""
-    gen = torch.Generator().manual_seed(rows * 1000 + out_features + in_features)
-    x, weight = torch.randn(rows, in_features, generator=gen), torch.randn(out_features, in_features, generator=gen)
-    expected = torch.nn.functional.linear(x.double(), weight.double()).float()
-    torch.testing.assert_close(few_row_linear.few_row_linear(x, weight), expected, rtol=1e-5, atol=1e-4)
-
-
-def test_few_row_linear_falls_back_to_f_linear(monkeypatch):
-    """Calls the kernel does not take, and a kernel that does not build, run F.linear: the same values."""
-    gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(48, 40, generator=gen)
-    for x, w in [(torch.randn(5, 40, generator=gen), weight), (torch.randn(2, 40, generator=gen), weight.t().contiguous().t()),
-                 (torch.randn(2, 40, generator=gen).bfloat16(), weight.bfloat16())]:
-        assert not few_row_linear.supports(x, w)
-        assert torch.equal(few_row_linear.few_row_linear(x, w), torch.nn.functional.linear(x, w))
-
-    x = torch.randn(3, 40, generator=gen)
-    with _unbuilt(few_row_linear, "F.linear", monkeypatch):
-        assert torch.equal(few_row_linear.few_row_linear(x, weight), torch.nn.functional.linear(x, weight))
-
-
-@contextmanager
-def _unbuilt(kernel, fallback: str, monkeypatch):
-    """`kernel`'s module as where no compiler builds it: its op must warn, naming `fallback`."""
-
-    def no_compiler(*args, **kwargs):
-        raise RuntimeError("g++: not found")
-
-    monkeypatch.setattr("torch._inductor.codecache.CppPythonBindingsCodeCache.load_pybinding", no_compiler)
-    name = kernel.__name__.rsplit(".", 1)[-1]
-    kernel.build.cache_clear()
-    try:
-        with pytest.warns(UserWarning, match=rf"^{name}: the C\+\+ kernel did not build \(g\+\+: not found\); using {re.escape(fallback)}$"):
-            yield
-    finally:
-        kernel.build.cache_clear()
-
-
-def test_graphs_build_the_kernel_before_any_step_when_a_linear_needs_it(model, state, monkeypatch):
-    """Not on the first step served: its compiler run would stall it."""
-    from compiled_mtp.capture.compiler import CompiledGraphs
-
-    few_row_linear.build.cache_clear()
-    CompiledGraphs(model, state, "inductor")  # the tiny model's weights are all below KERNEL_WEIGHT
-    CompiledGraphs(model, state, "inductor", passes=("packed_linear",))
-    assert few_row_linear.build.cache_info().misses == 0
-    monkeypatch.setattr(narrow_linear, "KERNEL_WEIGHT", 0)
-    narrow_linear.NarrowLinear().prepare(copy.deepcopy(model).bfloat16())  # the kernel takes float32 only
-    assert few_row_linear.build.cache_info().misses == 0
-    CompiledGraphs(model, state, "inductor")
-    assert few_row_linear.build.cache_info().misses == 1 and few_row_linear.build() is not None
-
-
 @pytest.mark.parametrize("kind,b,k,layers", [("target_verify", 1, 3, 1), ("draft_extend", 2, 2, 1), ("draft_decode", 2, 3, 2), ("prefill", 1, 0, 2)])
 def test_group_experts_replaces_each_moe_layers_gathered_products(model, state, kind, b, k, layers):
     """One op per MoE layer run by the graph (the tiny target has one, M's layer runs once per draft
@@ -331,62 +273,10 @@ def test_group_experts_leaves_one_row_layers_to_inductor(model, state, kind, b, 
 
 def test_group_experts_leaves_a_layer_the_op_does_not_reproduce(model, state, monkeypatch, caplog):
     """The probe decides: an op that disagrees with the traced products replaces nothing."""
-    monkeypatch.setattr(REGISTRY["group_experts"], "op", lambda x, *args: torch.zeros_like(x))
+    _replace_op(monkeypatch, "group_experts", lambda x, *args: torch.zeros_like(x))
     before, after = _graphs("target_verify", 1, 1, model, state, ("group_experts",))
     assert len(after.graph.nodes) == len(before.graph.nodes)
     assert "group_experts: left as traced: the op reproduces the region on 0%, 0% of the probes under the 2 assignments of its inputs, expected exactly one at 100% or more" in caplog.text
-
-
-@settings(max_examples=40)
-@given(rows=st.integers(1, 11), k=st.integers(1, 4), extra=st.integers(0, 5), inter=st.integers(1, 40), hidden=st.integers(1, 70), seed=st.integers(0, 2**16))
-def test_routed_experts_matches_the_gathered_products(rows, k, extra, inter, hidden, seed):
-    """Any row count, chunks of 1-4 rows per expert, lengths that leave vector tails, and an expert
-    chosen twice by one row (the kernel takes what it is given)."""
-    gen = torch.Generator().manual_seed(seed)
-    n_experts = k + extra
-    x = torch.randn(rows, hidden, generator=gen)
-    idx = torch.randint(0, n_experts, (rows, k), generator=gen)
-    weights = torch.rand(rows, k, generator=gen)
-    gate, up, down = (torch.randn(shape, generator=gen) for shape in ((n_experts, inter, hidden), (n_experts, inter, hidden), (n_experts, hidden, inter)))
-    expected = gathered_experts(x, idx, weights, gate, up, down)
-    torch.testing.assert_close(ROUTED_EXPERTS(x, idx, weights, gate, up, down), expected, rtol=1e-4, atol=1e-4 * max(1.0, expected.abs().max().item()))
-
-
-def test_routed_experts_falls_back_to_the_gathered_products(monkeypatch):
-    gen = torch.Generator().manual_seed(0)
-    x, idx, weights = torch.randn(3, 24, generator=gen), torch.randint(0, 6, (3, 2), generator=gen), torch.rand(3, 2, generator=gen)
-    gate, up, down = torch.randn(6, 8, 24, generator=gen), torch.randn(6, 8, 24, generator=gen), torch.randn(6, 24, 8, generator=gen)
-    bf16 = [t.bfloat16() if t.is_floating_point() else t for t in (x, idx, weights, gate, up, down)]
-    for args in (bf16, (x, idx, weights, gate.transpose(1, 2).contiguous().transpose(1, 2), up, down)):
-        assert not routed_experts.supports(*args)
-        assert torch.equal(ROUTED_EXPERTS(*args), gathered_experts(*args))
-
-    with _unbuilt(routed_experts, "the gathered products", monkeypatch):
-        assert torch.equal(ROUTED_EXPERTS(x, idx, weights, gate, up, down), gathered_experts(x, idx, weights, gate, up, down))
-
-
-@pytest.mark.parametrize("kernel", [routed_experts, live_attention_kernel, greedy_sample], ids=["routed_experts", "live_attention", "greedy_sample"])
-def test_graphs_build_the_experts_attention_and_greedy_kernels_before_any_step(model, state, kernel):
-    from compiled_mtp.capture.compiler import CompiledGraphs
-
-    kernel.build.cache_clear()
-    CompiledGraphs(model, state, "inductor", passes=("narrow_linear",))
-    CompiledGraphs(copy.deepcopy(model).bfloat16(), state, "inductor")  # the kernels take float32 only
-    assert kernel.build.cache_info().misses == 0
-    CompiledGraphs(model, state, "inductor")
-    assert kernel.build.cache_info().misses == 1 and kernel.build() is not None
-
-
-def test_greedy_batches_fall_back_to_the_python_path(monkeypatch):
-    from compiled_mtp.graphs.sampling import verify_sample
-
-    gen = torch.Generator().manual_seed(0)
-    logits, drafts, q = torch.randn(2, 3, 50, generator=gen), torch.randint(0, 50, (2, 2), generator=gen), torch.rand(2, 2, 50, generator=gen)
-    args = (logits, torch.zeros(2), torch.zeros(2, dtype=torch.long), torch.ones(2), drafts, q, torch.rand(2, 3, generator=gen))
-    with _unbuilt(greedy_sample, "the sampling ops' Python paths", monkeypatch):
-        got = FUSED(*args)
-    expected = verify_sample(*args)
-    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
 
 
 def _cache_gathers(graph, capacity):
@@ -406,56 +296,11 @@ def test_attention_reads_only_the_live_cache(model, state, kind, b, k, calls):
 
 
 def test_attention_the_op_does_not_reproduce_stays(model, state, monkeypatch, caplog):
-    monkeypatch.setattr(REGISTRY["live_attention"], "op", lambda *args: LIVE_ATTENTION(*args) * 1.01)
+    _replace_op(monkeypatch, "live_attention", lambda *args: LIVE_ATTENTION(*args) * 1.01)
     with caplog.at_level("WARNING", logger="compiled_mtp.passes"):
         _, after = _graphs("draft_extend", 1, 1, model, state, ("live_attention",))
     assert _count(after, LIVE_ATTENTION) == 0 and len(_cache_gathers(after, state.max_seq_len)) == 1
     assert "live_attention: left as traced: the op reproduces the region on 0%, 0% of the probes under the 2 assignments of its inputs, expected exactly one at 100% or more" in caplog.text
-
-
-def _attention_case(gen: torch.Generator, batch: int, rows: int, capacity: int, heads: int, rank: int, rope: int, slots: int, blind: bool):
-    """Random queries and cache; each row sees its cache up to a random position (none at all, with
-    `blind`, for some rows)."""
-    q_latent, q_pe = torch.randn(batch, rows, heads, rank, generator=gen), torch.randn(batch, rows, heads, rope, generator=gen)
-    cache = 10 * torch.randn(slots, capacity, rank + rope, generator=gen)
-    slot_ids = torch.randperm(slots, generator=gen)[:batch] if batch <= slots else torch.randint(0, slots, (batch,), generator=gen)
-    positions = torch.randint(-1 if blind else 0, capacity, (batch, rows), generator=gen)
-    return q_latent, q_pe, cache, slot_ids, torch.arange(capacity) <= positions[..., None]
-
-
-@settings(max_examples=40, deadline=None, derandomize=True)
-@given(
-    batch=st.integers(1, 3), rows=st.integers(1, 5), capacity=st.integers(1, 150), heads=st.integers(1, 3),
-    rank=st.integers(1, 40), rope=st.integers(1, 20), slots=st.integers(3, 5), blind=st.booleans(), strided=st.booleans(),
-    seed=st.integers(0, 2**16),
-)
-def test_live_attention_equals_attention_over_the_whole_cache(batch, rows, capacity, heads, rank, rope, slots, blind, strided, seed):
-    """The op reads only up to the last entry a request's rows see; entries past it, whatever they
-    hold, have no weight in the traced attention. Widths with and without vector tails, caches over
-    several of the kernel's entry blocks, rows that see nothing (NaN, as traced), and queries read in
-    place by their strides (head-major, as the absorbed products leave q_latent, or slices of a wider row)."""
-    q_latent, q_pe, cache, slot_ids, visible = _attention_case(torch.Generator().manual_seed(seed), batch, rows, capacity, heads, rank, rope, slots, blind)
-    if strided:
-        q_latent = q_latent.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
-        q_pe = torch.cat([q_pe, torch.randn_like(q_pe)], dim=-1)[..., :rope]
-    expected = latent_attention(q_latent, q_pe, cache[slot_ids], visible, 0.3)
-    got = LIVE_ATTENTION(q_latent, q_pe, cache, slot_ids, visible, 0.3)
-    # Scores reach ~100 here and exp turns their rounding (summed in another order) into relative
-    # differences of ~1e-5 in the weights of entries of size ~10; a wrong entry or mask is off by ~1.
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-3, equal_nan=True)
-
-
-def test_live_attention_falls_back_to_the_model_function(monkeypatch):
-    """Calls the kernel does not take, and a kernel that does not build, run latent_attention on the
-    live entries."""
-    case = _attention_case(torch.Generator().manual_seed(0), 2, 3, 70, 2, 20, 6, 3, blind=True)
-    expected = latent_attention(*case[:2], case[2][case[3]], case[4], 0.3)
-    bf16 = [t.bfloat16() if t.is_floating_point() else t for t in case]
-    assert not live_attention_kernel.supports(*bf16)
-    torch.testing.assert_close(LIVE_ATTENTION(*bf16, 0.3), latent_attention(*bf16[:2], bf16[2][bf16[3]], bf16[4], 0.3), equal_nan=True)
-
-    with _unbuilt(live_attention_kernel, "the model's attention on the live entries", monkeypatch):
-        torch.testing.assert_close(LIVE_ATTENTION(*case, 0.3), expected, rtol=1e-5, atol=1e-5, equal_nan=True)
 
 
 def test_one_agreeing_takes_only_a_single_agreeing_assignment():

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given
 
 from compiled_mtp.graphs.sampling import verify_sample
-from compiled_mtp.passes.kernels import verify_sample_triton as kernel
+from compiled_mtp.ops import verify_sample_triton as kernel
 from tests.test_sampling import SETTINGS, verify_cases
 
 # The kernel sums its softmax in another order than torch: a decision may differ where a uniform is
@@ -96,7 +96,7 @@ COMPILE_FOR_H100 = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from compiled_mtp.passes.kernels import verify_sample_triton as k
+from compiled_mtp.ops import verify_sample_triton as k
 
 ptrs = lambda *names: {name: "*fp32" for name in names}
 kernels = [

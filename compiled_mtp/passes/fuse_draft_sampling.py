@@ -3,7 +3,7 @@
 draft_extend samples one draft per request and draft_decode one per step, each through the traced
 `graphs.sampling.draft_sample`: softmax, argmax and one-hot rows, a stable sort of the whole
 vocabulary, cumsums and scatters. The sort alone took 12.6 ms for one row of a 129280-token
-vocabulary, as long as the LM head; the op (kernels/draft_sample.py) sorts only where top-k/top-p
+vocabulary, as long as the LM head; the op (ops/draft_sample.py) sorts only where top-k/top-p
 need it. Each call is found by provenance (region.py), one connected region per call, with exactly the
 function's inputs and outputs. The region and the op run
 on seeded probe inputs first, under each way of assigning the three [B] float inputs (temperature,
@@ -16,12 +16,11 @@ from __future__ import annotations
 import itertools
 
 import torch
-from torch import fx, nn
+from torch import fx
 
 from . import probes
 from ..graphs.sampling import draft_sample
-from .kernels import draft_sample as op_module
-from .kernels import greedy_sample
+from ..ops import draft_sample as op_module
 from .probes import probe_logits, probe_params, probe_rounds
 from .region import Region, RegionPass, by_signature, one_agreeing
 
@@ -30,12 +29,9 @@ _AGREEMENT = 0.9  # share of probe rows, as for the verify op: rounding may move
 
 class FuseDraftSampling(RegionPass):
     traced = draft_sample
-    op = torch.ops.compiled_mtp.draft_sample.default
+    op_name = "draft_sample"
     arity = (5, 2)
     modules = (op_module, probes)
-
-    def prepare(self, model: nn.Module) -> None:
-        greedy_sample.prepare(model)
 
     def roles(self, region: set[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]) -> tuple[list, list[fx.Node]]:
         """(logits, temperature, top_k, top_p, u) -> (tokens, q)."""

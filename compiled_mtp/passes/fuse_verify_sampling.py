@@ -8,7 +8,7 @@ split around the temperature), so no fixed pattern describes it. It is found by 
 replaced, the region and the fused op run on seeded probe inputs of the graph's shapes; the
 replacement happens only if they agree on the committed tokens (up to rounding, see `_agreement`)
 under one assignment of the two [B] float inputs (temperature, top_p). The probes run on the graph's
-device, so on CUDA they check the Triton kernel (kernels/verify_sample_triton.py) the graph will run.
+device, so on CUDA they check the Triton kernel (ops/verify_sample_triton.py) the graph will run.
 A graph where any of this fails is left as it was, with a log line.
 """
 
@@ -17,13 +17,12 @@ from __future__ import annotations
 import itertools
 
 import torch
-from torch import fx, nn
+from torch import fx
 
 from . import probes
 from ..graphs.sampling import verify_sample
-from .kernels import greedy_sample
-from .kernels import verify_sample as op_module
-from .kernels import verify_sample_triton as triton_kernel  # registers the CUDA kernel where Triton is installed
+from ..ops import verify_sample as op_module
+from ..ops import verify_sample_triton as triton_kernel  # registers the CUDA kernel where Triton is installed
 from .probes import probe_logits, probe_params, probe_rounds
 from .region import Region, RegionPass, by_signature, one_agreeing
 
@@ -37,7 +36,7 @@ FUSE_ON_CUDA = False
 
 class FuseVerifySampling(RegionPass):
     traced = verify_sample
-    op = torch.ops.compiled_mtp.verify_sample.default
+    op_name = "verify_sample"
     arity = (7, 2)
     modules = (op_module, triton_kernel, probes)
 
@@ -46,9 +45,6 @@ class FuseVerifySampling(RegionPass):
 
     def settings(self) -> tuple:
         return (FUSE_ON_CUDA,)
-
-    def prepare(self, model: nn.Module) -> None:
-        greedy_sample.prepare(model)
 
     def roles(self, region: set[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]) -> tuple[list, list[fx.Node]]:
         """(logits, temperature, top_k, top_p, drafts, draft_probs, noise) -> (num_accepted, tokens)."""

@@ -2,7 +2,7 @@
 
 The model's fixed-shape MoE (`models.deepseek_v3.gathered_experts`) gathers each row's k experts and
 multiplies every (row, expert) pair on its own, so an expert chosen by several rows of a verify is
-read once for each of them. The op (kernels/routed_experts.py) groups the rows by expert and reads
+read once for each of them. The op (ops/csrc/routed_experts.cpp) groups the rows by expert and reads
 each chosen expert once. Measured on 2 cores, the 7 MoE layers of the 250m preset (16 experts, 4 per
 row, 768 x 256), the kernel alone against Inductor's code for the gathered products: 1.8 / 5.5 /
 10.7 ms against 2.4 / 7.1 / 15.5 ms at 1 / 4 / 16 rows. In the 250m verify, timed in turns in one
@@ -22,11 +22,9 @@ from __future__ import annotations
 import itertools
 
 import torch
-from torch import fx, nn
+from torch import fx
 
-from ..models.deepseek_v3 import Experts, gathered_experts
-from .fx_nodes import on_cpu_float32
-from .kernels import routed_experts as op_module
+from ..models.deepseek_v3 import gathered_experts
 from .region import Region, RegionPass, Unfusable, by_signature, one_agreeing
 
 MIN_ROWS = 2
@@ -34,27 +32,18 @@ MIN_ROWS = 2
 
 class GroupExperts(RegionPass):
     traced = gathered_experts
-    op = torch.ops.compiled_mtp.routed_experts.default
+    op_name = "routed_experts"
+    native = True
     arity = (6, 1)
-    modules = (op_module,)
 
     def settings(self) -> tuple:
         return (MIN_ROWS,)
-
-    def prepare(self, model: nn.Module) -> None:
-        """Build the kernel now if some layer's experts go to it, so that the first step served does
-        not wait for the compiler."""
-        experts = [m.gate_proj for m in model.modules() if isinstance(m, Experts)]
-        if any(w.device.type == "cpu" and w.dtype == torch.float32 for w in experts):
-            op_module.build()
 
     def roles(self, region: set[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]) -> tuple[list, list[fx.Node]]:
         """(x, idx, weights, gate, up, down) -> out; gate and up told apart on probes."""
         out = outputs[0].meta["val"]
         if out.dim() == 2 and out.shape[0] < MIN_ROWS:
             raise Unfusable(f"{out.shape[0]} row(s), fewer than MIN_ROWS ({MIN_ROWS})", expected=True)
-        if not on_cpu_float32(outputs[0], *(n for n in inputs if n.meta["val"].is_floating_point())):
-            raise Unfusable("not a float32 graph", expected=True)
         two_d, (idx,), three_d = by_signature(inputs, {(2, True): 2, (2, False): 1, (3, True): 3}, "inputs (x, idx, weights, gate, up, down)")
         candidates = [[x, idx, w, gate, up, down] for x, w in itertools.permutations(two_d) for gate, up, down in itertools.permutations(three_d)]
         candidates = [args for args in candidates if _fits(*(n.meta["val"] for n in args))]

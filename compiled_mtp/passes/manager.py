@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from ..ops import library
 from .fold_key_constants import FoldKeyConstants
 from .fuse_draft_sampling import FuseDraftSampling
 from .fuse_verify_sampling import FuseVerifySampling
@@ -55,7 +56,9 @@ class PassManager(CustomGraphPass):
 
     def prepare(self, model: torch.nn.Module) -> None:
         """What the enabled passes do once per model, before any graph is built or loaded (pack
-        weights, build kernels), so that no step served waits for it."""
+        weights, build the C++ ops), so that no step served waits for it."""
+        if self.enabled and library.serves(model):
+            library.load()
         for name in self.enabled:
             prepare = getattr(REGISTRY[name], "prepare", None)
             if prepare is not None:

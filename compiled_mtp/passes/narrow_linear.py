@@ -17,7 +17,7 @@ MKL's bmm, which took 0.48-0.93 ms for the 8 layers of the 250m preset against 0
 multiply-and-sum (a 4-row verify of the 250m preset, timed in turns: 0.2-0.9 ms faster).
 
 Linears of 2-4 rows on weights of KERNEL_WEIGHT elements or more go to
-`compiled_mtp::few_row_linear` instead (kernels/few_row_linear.py), which does the arithmetic about
+`compiled_mtp::few_row_linear` instead (ops/csrc/few_row_linear.cpp), which does the arithmetic about
 twice as fast as Inductor's loop but costs about 6 us more a call. For the LM head alone (4M
 elements and more), a 4-row verify of the 250m preset took 23.0-23.9 ms with it against 27.1-27.8
 without when this machine's memory was fast, and 27-29 ms either way when it was slow. At 256K
@@ -34,15 +34,14 @@ from __future__ import annotations
 
 import torch
 import torch._inductor.inductor_prims  # noqa: F401  (registers prims.inductor_force_stride_order)
-from torch import fx, nn
+from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from ..models.deepseek_v3 import Linear
 from .fx_nodes import LinearNode, call, linears, on_cpu_float32, replace
-from .kernels import few_row_linear as op_module
+from ..ops import library
 
 aten = torch.ops.aten
-NARROW_ROWS = op_module.MAX_ROWS
+NARROW_ROWS = 4  # the most rows compiled_mtp::few_row_linear takes
 # Weights of this many elements or more go to the hand-written kernel; smaller ones, whose read
 # costs less than the op's call, stay in Inductor's code, fused with their neighbours.
 KERNEL_WEIGHT = 1 << 18
@@ -51,9 +50,10 @@ KERNEL_ROWS = 2
 
 class NarrowLinear(CustomGraphPass):
     def __call__(self, graph: fx.Graph) -> None:
+        kernel = library.load()
         for lin in linears(graph):
             if lin.on_cpu_float32() and lin.rows <= NARROW_ROWS:
-                lin.replace(lambda g, lin=lin: _narrow(g, lin), adds=False)
+                lin.replace(lambda g, lin=lin: _narrow(g, lin, kernel), adds=False)
         for bmm in graph.find_nodes(op="call_function", target=aten.bmm.default):
             a, b = bmm.args
             if on_cpu_float32(a, b) and a.meta["val"].shape[1] <= NARROW_ROWS:
@@ -61,18 +61,11 @@ class NarrowLinear(CustomGraphPass):
         graph.eliminate_dead_code()
 
     def uuid(self) -> str:
-        return get_hash_for_files((__file__, op_module.__file__), f"{NARROW_ROWS}/{KERNEL_WEIGHT}/{KERNEL_ROWS}").hex()
-
-    def prepare(self, model: nn.Module) -> None:
-        """Build the few-row kernel now if some linear of `model` goes to it, so that the first step
-        served (from the capture cache, say) does not wait for the compiler."""
-        weights = [m.weight for m in model.modules() if isinstance(m, Linear)]
-        if any(w.device.type == "cpu" and w.dtype == torch.float32 and w.numel() >= KERNEL_WEIGHT for w in weights):
-            op_module.build()
+        return get_hash_for_files((__file__,), f"{NARROW_ROWS}/{KERNEL_WEIGHT}/{KERNEL_ROWS}/{library.version()}").hex()
 
 
-def _narrow(graph: fx.Graph, lin: LinearNode) -> fx.Node:
-    if lin.weight_size >= KERNEL_WEIGHT and lin.rows >= KERNEL_ROWS:
+def _narrow(graph: fx.Graph, lin: LinearNode, kernel: bool) -> fx.Node:
+    if kernel and lin.weight_size >= KERNEL_WEIGHT and lin.rows >= KERNEL_ROWS:
         return call(graph, torch.ops.compiled_mtp.few_row_linear.default, lin.x, lin.weight)
     return _multiply_and_sum(graph, lin)
 

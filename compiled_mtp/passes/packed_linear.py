@@ -13,7 +13,7 @@ from torch import fx, nn
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from .fx_nodes import LinearNode, call, linears
-from .kernels import packed_linear as op_module
+from ..ops import packed_linear as op_module
 
 LINEAR = torch.ops.compiled_mtp.linear.default
 # Which linears are rewritten (see `_pays`): weights of MIN_WEIGHT elements or more.

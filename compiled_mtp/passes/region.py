@@ -21,8 +21,9 @@ from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch._inductor.pattern_matcher import stable_topological_sort
 
+from ..ops import library
 from . import fx_nodes
-from .fx_nodes import call_in_place_of, calls_of, device_types, signature, standalone
+from .fx_nodes import call_in_place_of, calls_of, device_types, on_cpu_float32, signature, standalone
 
 log = logging.getLogger("compiled_mtp.passes")
 Candidate = TypeVar("Candidate")
@@ -40,11 +41,13 @@ class Unfusable(Exception):
 
 
 class RegionPass(CustomGraphPass):
-    """Replaces each call of `traced` in a post-grad graph with one call of `op`, where `roles` finds
-    the op's arguments. The pass's name is its module's."""
+    """Replaces each call of `traced` in a post-grad graph with one call of the op
+    `torch.ops.compiled_mtp.<op_name>`, where `roles` finds the op's arguments. The pass's name is its
+    module's."""
 
     traced: Callable  # the function whose calls are replaced
-    op: Callable
+    op_name: str
+    native: bool = False  # the op is one of the C++ ops (ops/csrc): the regions stay as traced where they do not build
     arity: tuple[int, int]  # the region's inputs and outputs, as the function's
     modules: tuple[ModuleType, ...] = ()  # what the replacement depends on beyond this file, fx_nodes and the pass's own
 
@@ -59,6 +62,10 @@ class RegionPass(CustomGraphPass):
     def settings(self) -> tuple:
         """The module settings the pass's decisions depend on (thresholds, switches), for the uuid."""
         return ()
+
+    @property
+    def op(self) -> torch._ops.OpOverload:
+        return getattr(torch.ops.compiled_mtp, self.op_name).default
 
     @property
     def name(self) -> str:
@@ -77,17 +84,26 @@ class RegionPass(CustomGraphPass):
         stable_topological_sort(graph)  # users of an output may precede the op's last input
 
     def _check(self, inputs: list[fx.Node], outputs: list[fx.Node]) -> None:
+        if not all(isinstance(n.meta.get("val"), torch.Tensor) for n in inputs + outputs):
+            raise Unfusable("a region input or output is not a tensor")
         devices = device_types(inputs)
         if not self.serves(devices):
             raise Unfusable(f"the op is not used on {'/'.join(sorted(devices))}", expected=True)
+        if self.native and not library.load():
+            raise Unfusable("the C++ ops did not build", expected=True)
+        if self.native and not on_cpu_float32(*(n for n in inputs + outputs if _floating(n))):
+            raise Unfusable("not a float32 graph (the C++ kernels take float32)", expected=True)
         if (len(inputs), len(outputs)) != self.arity:
             raise Unfusable(f"the region has {len(inputs)} inputs and {len(outputs)} outputs, expected {self.arity[0]} and {self.arity[1]}")
-        if not all(isinstance(n.meta.get("val"), torch.Tensor) for n in inputs + outputs):
-            raise Unfusable("a region input or output is not a tensor")
 
     def uuid(self) -> str:
         files = (inspect.getfile(type(self)), __file__, fx_nodes.__file__, *(m.__file__ for m in self.modules))
-        return get_hash_for_files(files, repr(self.settings())).hex()
+        native = library.version() if self.native else ""
+        return get_hash_for_files(files, repr(self.settings()) + native).hex()
+
+
+def _floating(node: fx.Node) -> bool:
+    return node.meta["val"].is_floating_point()
 
 
 def one_agreeing(

@@ -1,43 +1,18 @@
-"""`compiled_mtp::live_attention`: the model's latent attention over the live part of the cache.
+// compiled_mtp::live_attention: the model's latent attention (models.deepseek_v3.latent_attention)
+// over the live part of each request's cache, read by slot, on CPU float32: a block of cache entries
+// is read once for every query row of a request (the heads and the K+1 rows share the latent
+// entries), the scores, softmax and weighted sum of each row stay here, and the work splits over the
+// threads by request and by query rows. See docs/passes.md, live_attention.
+#include "ops.h"
 
-A graph has static shapes, so the traced attention reads all max_seq_len entries of each request's
-cache and masks those past the row's position. This op computes the same function,
-`models.deepseek_v3.latent_attention`, over each request's entries up to the last one its rows see,
-read from the cache by slot: every masked entry it leaves out has weight exactly 0 in the traced
-softmax, so only rounding can differ (the products' sums run over fewer terms, in another order).
-
-On CPU float32 a C++ kernel does the whole attention in one call: a block of cache entries is read
-once for every query row of a request (the heads and the K+1 rows share the latent entries), the
-scores, softmax and weighted sum of each row stay in the kernel, and the work splits over the
-threads by request and by query rows. Where the kernel does not build, or for other dtypes, the op
-runs the model's function on the live entries, which costs about 0.2 ms a layer in eager calls.
-"""
-
-from __future__ import annotations
-
-import functools
-from collections.abc import Callable
-
-import torch
-from torch import Tensor
-
-from ...models.deepseek_v3 import latent_attention
-from . import cpp_build
-
-_SOURCE = r"""
-#include <torch/csrc/inductor/cpp_prefix.h>
-#include <algorithm>
-#include <cmath>
-#include <limits>
-#include <vector>
-using Vec = at::vec::Vectorized<float>;
+namespace compiled_mtp {
+namespace {
 constexpr int64_t ROWS = 4;          // query rows per block
 constexpr int64_t ENTRY_BLOCK = 64;  // cache entries per block: in L2 while every row block uses them
 // Entries scored at once and vectors of output columns summed at once: ROWS x WIDE accumulators
 // fit 32 vector registers (AVX-512) with room for the loads, and ROWS x 2 fit 16.
 constexpr int WIDE = Vec::size() >= 16 ? 4 : 2;
 
-static inline float sum_lanes(Vec v) { return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v); }
 
 // acc[r][e] += <a[r][:n], w[e][:n]> over whole vectors; the tail is left to the caller.
 template <int R>
@@ -147,7 +122,7 @@ static void softmax(float* sc, const bool* visible, int64_t live, float scale) {
 // q_latent [B, T, H, rank], q_pe [B, T, H, rope], cache [N, S, rank + rope], slots [B], visible [B, T, S]
 // -> out [B, T, H, rank]. The queries' rows are read by their strides over (B, T, H): the absorbed
 // products leave q_latent head-major, and a copy per layer would cost more than reading it in place.
-extern "C" void kernel(const float* q_latent, const float* q_pe, const float* cache, const int64_t* slots,
+void kernel(const float* q_latent, const float* q_pe, const float* cache, const int64_t* slots,
                        const bool* visible, float* out, int64_t batch, int64_t steps, int64_t heads, int64_t rank,
                        int64_t rope, int64_t capacity, int64_t ql_b, int64_t ql_t, int64_t ql_h, int64_t qp_b,
                        int64_t qp_t, int64_t qp_h, float scale, int64_t threads) {
@@ -193,54 +168,43 @@ extern "C" void kernel(const float* q_latent, const float* q_pe, const float* ca
         each_block(false);
     }
 }
-"""
 
-_ARGTYPES = ["const float*", "const float*", "const float*", "const int64_t*", "const bool*", "float*"] + ["int64_t"] * 12 + ["float", "int64_t"]
+at::Tensor live_attention(const at::Tensor& q_latent_in, const at::Tensor& q_pe_in, const at::Tensor& cache,
+                          const at::Tensor& slots_in, const at::Tensor& visible_in, double scale) {
+    const char* op = "live_attention";
+    check(q_latent_in, op, "q_latent", at::kFloat, 4);
+    check(q_pe_in, op, "q_pe", at::kFloat, 4);
+    check(cache, op, "cache", at::kFloat, 3, true);
+    check(slots_in, op, "slots", at::kLong, 1);
+    check(visible_in, op, "visible", at::kBool, 3);
+    const int64_t batch = q_latent_in.size(0), steps = q_latent_in.size(1), heads = q_latent_in.size(2);
+    const int64_t rank = q_latent_in.size(3), rope = q_pe_in.size(3), capacity = cache.size(1);
+    TORCH_CHECK(cache.size(2) == rank + rope, op, ": cache entries have ", cache.size(2), " values, the queries ", rank, " + ", rope);
+    TORCH_CHECK(q_pe_in.size(0) == batch && q_pe_in.size(1) == steps && q_pe_in.size(2) == heads, op, ": q_pe ", q_pe_in.sizes(), " does not match q_latent ", q_latent_in.sizes());
+    TORCH_CHECK(slots_in.size(0) == batch, op, ": ", slots_in.size(0), " slots for ", batch, " requests");
+    TORCH_CHECK(visible_in.sizes() == at::IntArrayRef({batch, steps, capacity}), op, ": visible must be ", at::IntArrayRef({batch, steps, capacity}), ", got ", visible_in.sizes());
+    // The absorbed products leave q_latent head-major: its rows are read by their strides.
+    const at::Tensor q_latent = q_latent_in.stride(3) == 1 ? q_latent_in : q_latent_in.contiguous();
+    const at::Tensor q_pe = q_pe_in.stride(3) == 1 ? q_pe_in : q_pe_in.contiguous();
+    const at::Tensor slots = slots_in.contiguous(), visible = visible_in.contiguous();
+    at::Tensor out = at::empty(q_latent.sizes(), q_latent.options());
+    kernel(q_latent.data_ptr<float>(), q_pe.data_ptr<float>(), cache.data_ptr<float>(), slots.data_ptr<int64_t>(),
+           visible.data_ptr<bool>(), out.data_ptr<float>(), batch, steps, heads, rank, rope, capacity,
+           q_latent.stride(0), q_latent.stride(1), q_latent.stride(2), q_pe.stride(0), q_pe.stride(1), q_pe.stride(2),
+           static_cast<float>(scale), at::get_num_threads());
+    return out;
+}
 
+at::Tensor live_attention_meta(const at::Tensor& q_latent, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double) {
+    return at::empty(q_latent.sizes(), q_latent.options());
+}
 
-@functools.cache
-def build() -> Callable[..., None] | None:
-    """The compiled kernel (built on the first call in a process), or None where it does not build."""
-    return cpp_build.load("live_attention", _ARGTYPES, _SOURCE, fallback="the model's attention on the live entries")
+}  // namespace
 
+TORCH_LIBRARY_FRAGMENT(compiled_mtp, m) {
+    m.def("live_attention(Tensor q_latent, Tensor q_pe, Tensor cache, Tensor slots, Tensor visible, float scale) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(compiled_mtp, CPU, m) { m.impl("live_attention", live_attention); }
+TORCH_LIBRARY_IMPL(compiled_mtp, Meta, m) { m.impl("live_attention", live_attention_meta); }
 
-def supports(q_latent: Tensor, q_pe: Tensor, cache: Tensor, slots: Tensor, visible: Tensor) -> bool:
-    """Whether the kernel takes this call (else the op runs the model's function)."""
-    return (
-        all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (q_latent, q_pe, cache))
-        and slots.device.type == "cpu" and slots.dtype == torch.int64 and visible.dtype == torch.bool
-        and cache.is_contiguous() and q_latent.dim() == q_pe.dim() == 4 and cache.dim() == visible.dim() == 3
-    )
-
-
-# Defined and implemented directly, not as a torch.library.custom_op, whose wrapper costs about 25 us
-# a call: the op runs once per layer of every step.
-torch.library.define(
-    "compiled_mtp::live_attention",
-    "(Tensor q_latent, Tensor q_pe, Tensor cache, Tensor slots, Tensor visible, float scale) -> Tensor",
-)
-
-
-def live_attention(q_latent: Tensor, q_pe: Tensor, cache: Tensor, slots: Tensor, visible: Tensor, scale: float) -> Tensor:
-    """latent_attention(q_latent, q_pe, cache[slots], visible, scale), reading cache [N, S, D] only up
-    to the last position visible [B, T, S] holds for each request's rows."""
-    kernel = build() if supports(q_latent, q_pe, cache, slots, visible) else None
-    if kernel is None:
-        seen = visible.flatten(0, -2).any(0).nonzero()
-        live = int(seen.max()) + 1 if len(seen) else 1  # nothing visible: one entry, all masked, as traced
-        return latent_attention(q_latent, q_pe, cache[slots, :live], visible[..., :live], scale).contiguous()
-    q_latent, q_pe = (q if q.stride(-1) == 1 else q.contiguous() for q in (q_latent, q_pe))
-    slots, visible = slots.contiguous(), visible.contiguous()
-    batch, steps, heads, rank = q_latent.shape
-    out = q_latent.new_empty(q_latent.shape)
-    shape = (batch, steps, heads, rank, q_pe.shape[-1], cache.shape[1])
-    kernel(q_latent, q_pe, cache, slots, visible, out, *shape, *q_latent.stride()[:3], *q_pe.stride()[:3], scale, torch.get_num_threads())
-    return out
-
-
-torch.library.impl("compiled_mtp::live_attention", "CompositeExplicitAutograd", live_attention)
-
-
-@torch.library.register_fake("compiled_mtp::live_attention")
-def _(q_latent, q_pe, cache, slots, visible, scale):
-    return q_latent.new_empty(q_latent.shape, dtype=cache.dtype)
+}  // namespace compiled_mtp

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ...graphs.sampling import processed_probs
+from ..graphs.sampling import processed_probs
 from .verify_sample import Probs, Rows, verify_by_kind
 
 try:

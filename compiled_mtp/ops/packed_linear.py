@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ...models.deepseek_v3 import Linear
+from ..models.deepseek_v3 import Linear
 
 # Rows the packed layout is tuned for. Measured on a 129280 x 768 weight, 2 cores: packed for 1 row,
 # 4 rows cost 1.6x one; packed for 4 to 64, 1-8 rows cost the same and 16 rows 1.2-1.4x.

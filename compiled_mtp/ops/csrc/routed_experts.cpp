@@ -1,34 +1,12 @@
-"""`compiled_mtp::routed_experts`: the routed experts of a MoE layer on CPU float32, each chosen
-expert's weights read once for every row routed to it.
+// compiled_mtp::routed_experts: the routed experts of a MoE layer on CPU float32, each chosen
+// expert's weights read once for every row routed to it (models.deepseek_v3.gathered_experts reads an
+// expert once per row that chose it). The rows are grouped by expert; each expert's gate and up
+// weights are read once, in blocks that every row routed to it multiplies while the block is in
+// cache, then each block of the down projection once for all its rows. See docs/passes.md.
+#include "ops.h"
 
-The model's fixed-shape MoE gathers each row's k experts and runs one product per (row, expert), so a
-verify of 4 rows reads an expert once for each row that chose it, and the four rows of a verify
-often share experts. Here the rows are grouped by expert first: each chosen expert's gate and up
-weights are read once, in blocks that every row routed to it multiplies while the block is in cache,
-and then each block of the down projection is read once for all of its rows. A product has its own
-accumulators (independent chains of fused multiply-adds, as in few_row_linear.py).
-
-The kernel is built with Inductor's C++ toolchain (cpp_build.py); where that fails, the op warns
-once and runs the model's own gathered products.
-"""
-
-from __future__ import annotations
-
-import functools
-from collections.abc import Callable
-
-import torch
-from torch import Tensor
-
-from ...models.deepseek_v3 import gathered_experts
-from . import cpp_build
-
-_SOURCE = r"""
-#include <torch/csrc/inductor/cpp_prefix.h>
-#include <algorithm>
-#include <cmath>
-#include <vector>
-using Vec = at::vec::Vectorized<float>;
+namespace compiled_mtp {
+namespace {
 constexpr int64_t MAX_ROWS = 4;  // rows multiplied together: 4 x 2 accumulators fit the registers
 constexpr int64_t GATE_BLOCK = 64;  // rows of an expert's gate and up weights per work item
 constexpr int64_t DOWN_BLOCK = 64;  // rows of the down weights (outputs) per work item
@@ -66,7 +44,7 @@ static void dots_any(int64_t rows, const float* const* xr, const float* const* w
 }
 
 // x [n, h], idx / weight [n, k], gate / up [e, inter, h], down [e, h, inter] -> out [n, h]
-extern "C" void kernel(const float* x, const int64_t* idx, const float* weight, const float* gate, const float* up,
+void kernel(const float* x, const int64_t* idx, const float* weight, const float* gate, const float* up,
                        const float* down, float* out, int64_t n, int64_t k, int64_t e, int64_t h, int64_t inter,
                        int64_t threads) {
     // The (row, slot) pairs routed to each expert, grouped by expert.
@@ -124,49 +102,39 @@ extern "C" void kernel(const float* x, const int64_t* idx, const float* weight, 
         }
     }
 }
-"""
 
-_ARGTYPES = ["const float*", "const int64_t*", "const float*", "const float*", "const float*", "const float*", "float*"] + ["int64_t"] * 6
+at::Tensor routed_experts(const at::Tensor& x_in, const at::Tensor& idx_in, const at::Tensor& weights_in,
+                          const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down) {
+    const char* op = "routed_experts";
+    check(x_in, op, "x", at::kFloat, 2);
+    check(idx_in, op, "idx", at::kLong, 2);
+    check(weights_in, op, "weights", at::kFloat, 2);
+    check(gate, op, "gate", at::kFloat, 3, true);
+    check(up, op, "up", at::kFloat, 3, true);
+    check(down, op, "down", at::kFloat, 3, true);
+    const int64_t n = x_in.size(0), h = x_in.size(1), k = idx_in.size(1), e = gate.size(0), inter = gate.size(1);
+    TORCH_CHECK(idx_in.size(0) == n && weights_in.sizes() == idx_in.sizes(), op, ": idx ", idx_in.sizes(), " and weights ", weights_in.sizes(), " must both be [", n, ", k]");
+    TORCH_CHECK(up.sizes() == gate.sizes() && gate.size(2) == h, op, ": gate and up must be [experts, inter, ", h, "], got ", gate.sizes(), " and ", up.sizes());
+    TORCH_CHECK(down.sizes() == at::IntArrayRef({e, h, inter}), op, ": down must be ", at::IntArrayRef({e, h, inter}), ", got ", down.sizes());
+    const at::Tensor x = x_in.contiguous(), idx = idx_in.contiguous(), weights = weights_in.contiguous();
+    const int64_t* ids = idx.data_ptr<int64_t>();
+    for (int64_t p = 0; p < n * k; p++) TORCH_CHECK(ids[p] >= 0 && ids[p] < e, op, ": expert id ", ids[p], " outside [0, ", e, ")");
+    at::Tensor out = at::empty(x.sizes(), x.options());
+    kernel(x.data_ptr<float>(), ids, weights.data_ptr<float>(), gate.data_ptr<float>(), up.data_ptr<float>(),
+           down.data_ptr<float>(), out.data_ptr<float>(), n, k, e, h, inter, at::get_num_threads());
+    return out;
+}
 
+at::Tensor routed_experts_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+    return at::empty(x.sizes(), x.options());
+}
 
-@functools.cache
-def build() -> Callable[..., None] | None:
-    """The compiled kernel (built on the first call in a process), or None where it does not build."""
-    return cpp_build.load("routed_experts", _ARGTYPES, _SOURCE, fallback="the gathered products")
+}  // namespace
 
+TORCH_LIBRARY_FRAGMENT(compiled_mtp, m) {
+    m.def("routed_experts(Tensor x, Tensor idx, Tensor weights, Tensor gate, Tensor up, Tensor down) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(compiled_mtp, CPU, m) { m.impl("routed_experts", routed_experts); }
+TORCH_LIBRARY_IMPL(compiled_mtp, Meta, m) { m.impl("routed_experts", routed_experts_meta); }
 
-def supports(x: Tensor, idx: Tensor, weights: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> bool:
-    """Whether the kernel takes this call (else the op runs the gathered products)."""
-    floats = (x, weights, gate, up, down)
-    return (
-        all(t.device.type == "cpu" and t.dtype == torch.float32 for t in floats) and idx.device.type == "cpu"
-        and idx.dtype == torch.int64 and all(t.is_contiguous() for t in (gate, up, down))
-        and x.dim() == idx.dim() == weights.dim() == 2 and idx.shape == weights.shape and idx.shape[0] == x.shape[0]
-    )
-
-
-# Defined and implemented directly rather than as a torch.library.custom_op, whose wrapper costs about
-# 25 us a call (5 us here): the op runs once per MoE layer of every step.
-torch.library.define(
-    "compiled_mtp::routed_experts", "(Tensor x, Tensor idx, Tensor weights, Tensor gate, Tensor up, Tensor down) -> Tensor"
-)
-
-
-def routed_experts(x: Tensor, idx: Tensor, weights: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
-    """x [N, H], experts idx [N, k] with weights [N, k], gate / up [E, I, H], down [E, H, I] -> [N, H]."""
-    kernel = build() if supports(x, idx, weights, gate, up, down) else None
-    if kernel is None:
-        return gathered_experts(x, idx, weights, gate, up, down)
-    x, idx, weights = x.contiguous(), idx.contiguous(), weights.contiguous()
-    out = x.new_empty(x.shape)
-    n, k = idx.shape
-    kernel(x, idx, weights, gate, up, down, out, n, k, gate.shape[0], x.shape[1], gate.shape[1], torch.get_num_threads())
-    return out
-
-
-torch.library.impl("compiled_mtp::routed_experts", "CompositeExplicitAutograd", routed_experts)
-
-
-@torch.library.register_fake("compiled_mtp::routed_experts")
-def _(x, idx, weights, gate, up, down):
-    return x.new_empty(x.shape)
+}  // namespace compiled_mtp

@@ -11,7 +11,7 @@ where its uniform falls within rounding of a step of the CDF.
 The traced subgraph must stay branch-free, so it sorts every row of the vocabulary for top-k/top-p
 and builds one-hot rows for greedy requests. Here a request takes only the work its parameters need:
 - greedy: one argmax per row (a batch of greedy requests alone: all of it in one C++ call,
-  kernels/greedy_sample.py); p(d) is 1 at the argmax, and the final token is the argmax of row a;
+  ops/csrc/greedy_sample.cpp); p(d) is 1 at the argmax, and the final token is the argmax of row a;
 - temperature without top-k/top-p: a softmax per row, no sort;
 - top-k or top-p: one pass finds how far down the distribution the cut can fall, and only the tokens
   above that are sorted (the traced definition itself where they may not decide the cut).
@@ -28,7 +28,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from ...graphs.sampling import accept_drafts, committed_tokens, processed_probs, residual_draw
+from ..graphs.sampling import accept_drafts, committed_tokens, processed_probs, residual_draw
 from .greedy_sample import greedy_verify
 
 # Top-k/top-p candidates: mass buckets per row (a factor of sqrt(2) each; the last holds the rest), and

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...graphs.sampling import sample_from_probs
+from ..graphs.sampling import sample_from_probs
 from .greedy_sample import greedy_verify
 from .verify_sample import filtered_rows, request_kinds, rows_of, softmax_rows
 

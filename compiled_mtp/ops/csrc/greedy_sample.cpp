@@ -1,0 +1,124 @@
+// compiled_mtp::greedy_sample: the sampling ops' greedy path on CPU float32, for a batch whose
+// requests are all greedy: each row's argmax in one vectorized pass (rows, and parts of a row when
+// there are fewer rows than threads, split over the threads), then the accept test and the committed
+// tokens in a few scalar steps per request. The results are the Python path's: torch's argmax (the
+// first maximum; a NaN ranks above every number), p(d) 1 at the argmax and 0 elsewhere, and the test
+// u * q(d) < p(d) in float32, as graphs.sampling.accept_drafts computes it. `done` is 0 where a
+// request is sampled or a draft is out of the vocabulary: the caller then takes its general path.
+#include "ops.h"
+
+namespace compiled_mtp {
+namespace {
+constexpr int64_t BLOCK = 512;         // a block's maximum is found with vectors, its index only if it leads
+constexpr int64_t MIN_SPLIT = 16384;  // the fewest logits a thread takes: less costs more to hand out than to read
+
+struct Top { float value; int64_t index; };
+
+// torch.argmax's order: a NaN ranks above every number, and an earlier index wins a tie.
+static inline bool above(float x, float best) { return std::isnan(x) ? !std::isnan(best) : x > best; }
+static inline bool matches(float x, float value) { return std::isnan(value) ? std::isnan(x) : x == value; }
+
+static float block_max(const float* x, int64_t n) {
+    Vec m(-std::numeric_limits<float>::infinity());
+    int64_t i = 0;
+    for (; i + Vec::size() <= n; i += Vec::size()) m = at::vec::maximum(m, Vec::loadu(x + i));  // NaN propagates
+    float best = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, m);
+    for (; i < n; i++) if (above(x[i], best)) best = x[i];
+    return best;
+}
+
+// The first maximum of x[0, n), n >= 1.
+static Top first_max(const float* x, int64_t n) {
+    Top top{x[0], 0};
+    for (int64_t b0 = 0; b0 < n; b0 += BLOCK) {
+        const int64_t b1 = std::min(b0 + BLOCK, n);
+        const float m = block_max(x + b0, b1 - b0);
+        if (!above(m, top.value)) continue;
+        int64_t i = b0;
+        while (!matches(x[i], m)) i++;
+        top = Top{m, i};
+    }
+    return top;
+}
+
+void kernel(const float* logits, const float* temperature, const int64_t* drafts, const float* draft_probs,
+                       const float* noise, int64_t* num_accepted, int64_t* tokens, int64_t* done, int64_t batch,
+                       int64_t steps, int64_t vocab, int64_t q_batch_stride, int64_t q_step_stride, int64_t q_vocab_stride,
+                       int64_t threads) {
+    const int64_t k = steps - 1, rows = batch * steps;
+    done[0] = 0;
+    for (int64_t b = 0; b < batch; b++) {
+        if (!(temperature[b] <= 0.f)) return;  // a sampled request: the caller takes the general path
+        for (int64_t i = 0; i < k; i++) if (drafts[b * k + i] < 0 || drafts[b * k + i] >= vocab) return;
+    }
+    // Each row in `splits` parts, so that every thread has one when rows are fewer than threads.
+    const int64_t splits = std::max<int64_t>(1, std::min((threads + rows - 1) / rows, vocab / MIN_SPLIT));
+    const int64_t part = (vocab + splits - 1) / splits;
+    std::vector<Top> tops(rows * splits);
+    #pragma omp parallel for num_threads(threads) schedule(static) if (rows * vocab >= MIN_SPLIT)
+    for (int64_t item = 0; item < rows * splits; item++) {
+        const int64_t row = item / splits, v0 = (item % splits) * part, v1 = std::min(v0 + part, vocab);
+        Top top = first_max(logits + row * vocab + v0, v1 - v0);
+        tops[item] = Top{top.value, top.index + v0};
+    }
+    std::vector<int64_t> argmax(rows);
+    for (int64_t row = 0; row < rows; row++) {
+        Top top = tops[row * splits];
+        for (int64_t s = 1; s < splits; s++) if (above(tops[row * splits + s].value, top.value)) top = tops[row * splits + s];
+        argmax[row] = top.index;
+    }
+    for (int64_t b = 0; b < batch; b++) {
+        int64_t a = 0;
+        while (a < k) {
+            const int64_t d = drafts[b * k + a];
+            const float p = d == argmax[b * steps + a] ? 1.f : 0.f;
+            const float q = draft_probs[b * q_batch_stride + a * q_step_stride + d * q_vocab_stride];
+            if (!(noise[b * steps + a] * q < p)) break;
+            a++;
+        }
+        const int64_t final_token = argmax[b * steps + a];
+        for (int64_t i = 0; i < steps; i++) tokens[b * steps + i] = i < a ? drafts[b * k + i] : final_token;
+        num_accepted[b] = a;
+    }
+    done[0] = 1;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> greedy_sample(const at::Tensor& logits_in, const at::Tensor& temperature_in,
+                                                             const at::Tensor& drafts_in, const at::Tensor& draft_probs,
+                                                             const at::Tensor& noise_in) {
+    const char* op = "greedy_sample";
+    check(logits_in, op, "logits", at::kFloat, 3);
+    check(temperature_in, op, "temperature", at::kFloat, 1);
+    check(drafts_in, op, "drafts", at::kLong, 2);
+    check(draft_probs, op, "draft_probs", at::kFloat, 3);
+    check(noise_in, op, "noise", at::kFloat, 2);
+    const int64_t batch = logits_in.size(0), steps = logits_in.size(1), vocab = logits_in.size(2);
+    TORCH_CHECK(steps >= 1 && vocab >= 1, op, ": logits must hold at least one row and one token, got ", logits_in.sizes());
+    TORCH_CHECK(temperature_in.size(0) == batch, op, ": temperature must be [", batch, "], got ", temperature_in.sizes());
+    TORCH_CHECK(drafts_in.sizes() == at::IntArrayRef({batch, steps - 1}), op, ": drafts must be [", batch, ", ", steps - 1, "], got ", drafts_in.sizes());
+    TORCH_CHECK(draft_probs.sizes() == at::IntArrayRef({batch, steps - 1, vocab}), op, ": draft_probs must be [", batch, ", ", steps - 1, ", ", vocab, "], got ", draft_probs.sizes());
+    TORCH_CHECK(noise_in.sizes() == at::IntArrayRef({batch, steps}), op, ": noise must be [", batch, ", ", steps, "], got ", noise_in.sizes());
+    const at::Tensor logits = logits_in.contiguous(), temperature = temperature_in.contiguous();
+    const at::Tensor drafts = drafts_in.contiguous(), noise = noise_in.contiguous();
+    at::Tensor num_accepted = at::empty({batch}, drafts.options()), tokens = at::empty({batch, steps}, drafts.options());
+    at::Tensor done = at::empty({1}, drafts.options());
+    kernel(logits.data_ptr<float>(), temperature.data_ptr<float>(), drafts.data_ptr<int64_t>(), draft_probs.data_ptr<float>(),
+           noise.data_ptr<float>(), num_accepted.data_ptr<int64_t>(), tokens.data_ptr<int64_t>(), done.data_ptr<int64_t>(),
+           batch, steps, vocab, draft_probs.stride(0), draft_probs.stride(1), draft_probs.stride(2), at::get_num_threads());
+    return {num_accepted, tokens, done};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> greedy_sample_meta(const at::Tensor& logits, const at::Tensor&, const at::Tensor& drafts,
+                                                                  const at::Tensor&, const at::Tensor&) {
+    return {at::empty({logits.size(0)}, drafts.options()), at::empty({logits.size(0), logits.size(1)}, drafts.options()), at::empty({1}, drafts.options())};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(compiled_mtp, m) {
+    m.def("greedy_sample(Tensor logits, Tensor temperature, Tensor drafts, Tensor draft_probs, Tensor noise) -> (Tensor, Tensor, Tensor)");
+}
+TORCH_LIBRARY_IMPL(compiled_mtp, CPU, m) { m.impl("greedy_sample", greedy_sample); }
+TORCH_LIBRARY_IMPL(compiled_mtp, Meta, m) { m.impl("greedy_sample", greedy_sample_meta); }
+
+}  // namespace compiled_mtp

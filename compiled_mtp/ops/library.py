@@ -1,0 +1,78 @@
+"""Builds the C++ ops in csrc/ into one library and loads it, which registers them with their schemas
+(`torch.ops.compiled_mtp.*`, CPU kernels and Meta shape functions).
+
+The build uses torch's extension tooling with the vector ISA and flags Inductor picks for its own
+generated kernels, in Inductor's cache directory: the library compiles once per machine and source
+version, and later processes only load it. Where it does not build (no compiler, say), the passes
+that would call its ops leave their regions as traced, after one warning: the engine stays correct,
+only slower.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+CSRC = Path(__file__).parent / "csrc"
+
+
+def sources() -> list[Path]:
+    return sorted(CSRC.glob("*.cpp"))
+
+
+def version() -> str:
+    """A hash of every source and header: part of the passes' uuid, and of the library's name, so a
+    changed kernel never meets a library or a captured graph built from the old one."""
+    digest = hashlib.sha256()
+    for path in sorted(CSRC.iterdir()):
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def _flags() -> list[str]:
+    from torch._inductor import cpu_vec_isa
+
+    isa = cpu_vec_isa.pick_vec_isa()
+    macros = [f"-D{m}" for m in isa.build_macro()] if isa else []
+    arch = isa.build_arch_flags().split() if isa else []
+    return ["-O3", "-fopenmp", "-ffp-contract=off", *macros, *arch]
+
+
+@functools.cache
+def load() -> bool:
+    """Build (the first time on this machine) and load the ops; False, after a warning, where they do
+    not build."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    from torch.utils import cpp_extension
+
+    os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 1))
+    name = f"compiled_mtp_ops_{version()}"
+    build = Path(cache_dir()) / "compiled_mtp_ops" / name
+    try:
+        build.mkdir(parents=True, exist_ok=True)
+        cpp_extension.load(
+            name=name, sources=[str(p) for p in sources()], extra_cflags=_flags(), build_directory=str(build),
+            extra_ldflags=["-fopenmp"], extra_include_paths=[str(CSRC)], is_python_module=False, verbose=False,
+        )
+    except Exception as error:
+        lines = str(error).strip().splitlines() or [type(error).__name__]
+        warnings.warn(f"compiled_mtp: the C++ ops did not build ({lines[0]}); their regions stay as traced", stacklevel=2)
+        return False
+    return True
+
+
+def serves(model: torch.nn.Module) -> bool:
+    """Whether `model` runs on CPU in float32, the only calls the C++ kernels take: the library is
+    built before the first step only then."""
+    weight = next(model.parameters())
+    return weight.device.type == "cpu" and weight.dtype == torch.float32
+
+
+def available() -> bool:
+    """Whether the ops are loaded in this process (without building them)."""
+    return load.cache_info().currsize > 0 and load()

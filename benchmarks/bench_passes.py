@@ -51,8 +51,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from compiled_mtp import Runtime  # noqa: E402
-from compiled_mtp.bench import _generate  # noqa: E402
-from compiled_mtp.capture.compiler import _own_code  # noqa: E402
+from compiled_mtp.bench import timed_generate  # noqa: E402
+from compiled_mtp.capture.compiler import own_code  # noqa: E402
 from compiled_mtp.graphs import steps  # noqa: E402
 from compiled_mtp.graphs.sampling import verify_sample  # noqa: E402
 from compiled_mtp.models.checkpoint import load_model  # noqa: E402
@@ -104,7 +104,7 @@ def bench_sampling(args: argparse.Namespace) -> list[dict]:
     for b in args.batch_sizes:
         for k in [k for k in args.depths if k > 0]:
             graphs = {
-                name: torch.compile(_own_code(_sample, f"sample_{name}_{b}_{k}"), fullgraph=True, dynamic=False, options=inductor_options(passes))
+                name: torch.compile(own_code(_sample, f"sample_{name}_{b}_{k}"), fullgraph=True, dynamic=False, options=inductor_options(passes))
                 for name, passes in (("off", ()), ("on", ("fuse_verify_sampling",)))
             }
             for setting, (temperature, top_p) in SETTINGS.items():
@@ -142,13 +142,13 @@ def bench_e2e(args: argparse.Namespace) -> dict:
         for k in args.depths:
             start = time.perf_counter()
             runtimes[k] = Runtime(model, mtp_depth=k, batch_sizes=(1,), max_seq_len=short_capacity(args), prefill_chunk=args.prompt_len, passes=passes)
-            _generate(runtimes[k], [prompt], sampling)  # compiles
+            timed_generate(runtimes[k], [prompt], sampling)  # compiles
             compile_s[k] = time.perf_counter() - start
         # The depths take turns, so that all of them see the same state of a shared machine.
         step_ms = {k: float("inf") for k in args.depths}
         for _ in range(args.runs):
             for k, rt in runtimes.items():
-                t = _generate(rt, [prompt], sampling)
+                t = timed_generate(rt, [prompt], sampling)
                 step_ms[k] = min(step_ms[k], 1e3 * t.decode_seconds / t.decode_steps)
         for k, ms in step_ms.items():
             tokens = per_step[k]
@@ -277,7 +277,7 @@ def lm_head_ms(model: torch.nn.Module, passes: tuple[str, ...], runs: int) -> di
 
     calls = {}
     for rows in (1, 4):
-        compiled = torch.compile(_own_code(head, f"lm_head_{rows}_{len(passes)}"), fullgraph=True, dynamic=False, options=inductor_options(passes))
+        compiled = torch.compile(own_code(head, f"lm_head_{rows}_{len(passes)}"), fullgraph=True, dynamic=False, options=inductor_options(passes))
         calls[rows] = lambda c=compiled, x=torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device): c(x)
     return paired_best_ms(calls, runs)
 

@@ -22,9 +22,9 @@ What it measures (greedy decoding throughout, the same prompts for every system)
   gives the most steps per second; times B and the row's acceptance length it bounds tokens/s.
 
 Prompts are held-out text when the checkpoint has a tokenizer: windows of `--prompt-len` tokens one
-third into each file that scripts/train_default.py holds out, as its own acceptance measurement
-(train_log.json) takes them; else seeded random token ids. Every system gets the first B prompts at
-batch B, the acceptance measurement the first `--accept-prompts`.
+third into each file that the shipped model's training holds out (compiled_mtp/corpus.py), as its
+own acceptance measurement (train_log.json) takes them; else seeded random token ids. Every system
+gets the first B prompts at batch B, the acceptance measurement the first `--accept-prompts`.
 
 Results go to OUT/bench-<device type>.json (the dataclasses below, as dicts; `bound.steps_per_s` is
 keyed by K as a string) and a plot to OUT/bench-<device type>.png.
@@ -34,21 +34,17 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import json
-import os
 import platform
-import sys
 import tempfile
 import time
-import types
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from . import hf_baseline, llama_cpp_peer
+from . import corpus, hf_baseline, llama_cpp_peer
 from .capture.cache import user_cache
 from .capture.compiler import BACKENDS
 from .capture.profile import DEFAULT_MODEL
@@ -59,8 +55,8 @@ from .models.draft_vocab import read_ranking
 from .models.gguf_export import export_gguf
 from .models.deepseek_v3 import DeepseekV3, Experts
 from .runtime import DTYPES, Runtime, SamplingParams, acceptance_length, check_device
+from .tokenizer import Tokenizer
 
-TRAIN_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_default.py"
 GGUF_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 MATPLOTLIB_MISSING = "matplotlib is not installed: install the bench extra: pip install 'compiled_mtp[bench]'"
 
@@ -198,23 +194,6 @@ class Prompts:
     detail: str
 
 
-def _training_script() -> types.ModuleType | None:
-    """scripts/train_default.py as a module (it defines the held-out split), or None outside a source
-    checkout. Its import sets single-thread defaults meant for training; they are undone here."""
-    if not TRAIN_SCRIPT.exists():
-        return None
-    env, path = set(os.environ), list(sys.path)
-    spec = importlib.util.spec_from_file_location("train_default", TRAIN_SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        for name in set(os.environ) - env:
-            del os.environ[name]
-        sys.path[:] = path
-    return module
-
-
 def random_prompts(vocab_size: int, count: int, length: int, seed: int = 0) -> Prompts:
     """Seeded random token ids, for checkpoints without a tokenizer."""
     gen = torch.Generator().manual_seed(seed)
@@ -222,31 +201,22 @@ def random_prompts(vocab_size: int, count: int, length: int, seed: int = 0) -> P
     return Prompts(ids, "random", f"{count} random prompts of {length} token ids (seed {seed}): the checkpoint has no tokenizer")
 
 
-def held_out_prompts(model_dir: Path, count: int, length: int) -> Prompts | None:
-    """`count` prompts of `length` tokens from the training script's held-out files (each a window one
-    third into a file, as its acceptance measurement takes them); None without the script."""
-    script = _training_script()
-    if script is None:
-        return None
-    from tokenizers import Tokenizer  # the script's acceptance_prompts takes a `tokenizers` tokenizer
-
-    _, held = script.split(script.stdlib_files())
-    ids = script.acceptance_prompts(Tokenizer.from_file(str(model_dir / "tokenizer.json")), held, count, length)
+def held_out_prompts(model_dir: Path, count: int, length: int) -> Prompts:
+    """`count` prompts of `length` tokens from the shipped model's held-out files (compiled_mtp/corpus.py),
+    each a window one third into a file, as its training script's acceptance measurement takes them."""
+    _, held = corpus.split(corpus.stdlib_files())
+    ids = corpus.acceptance_prompts(Tokenizer(model_dir / "tokenizer.json").encode, held, count, length)
     if len(ids) < count:
         raise ValueError(f"prompt-len: only {len(ids)} of {len(held)} held-out files have {3 * length} tokens, {count} prompts are needed; use a shorter --prompt-len")
-    detail = f"{count} prompts of {length} tokens from {len(held)} held-out stdlib files (scripts/train_default.py split, Python {platform.python_version()})"
+    detail = f"{count} prompts of {length} tokens from {len(held)} held-out stdlib files (compiled_mtp/corpus.py split, Python {platform.python_version()})"
     return Prompts(ids, "held-out", detail)
 
 
 def bench_prompts(model_dir: Path, vocab_size: int, count: int, length: int) -> Prompts:
-    """Held-out text when the checkpoint has a tokenizer and the training script is here, else random ids."""
-    if not (model_dir / "tokenizer.json").exists():
-        return random_prompts(vocab_size, count, length)
-    prompts = held_out_prompts(model_dir, count, length)
-    if prompts is None:
-        prompts = random_prompts(vocab_size, count, length)
-        prompts.detail = f"{count} random prompts of {length} token ids: {TRAIN_SCRIPT} (the held-out split) is not here"
-    return prompts
+    """Held-out text when the checkpoint has a tokenizer, else seeded random ids."""
+    if (model_dir / "tokenizer.json").exists():
+        return held_out_prompts(model_dir, count, length)
+    return random_prompts(vocab_size, count, length)
 
 
 # ------------------------------------------------------------------------------------------ engine
@@ -259,17 +229,20 @@ def _sync(device: str) -> None:
 
 
 @dataclass
-class _Timing:
-    seconds: float
-    decode_seconds: float
-    decode_steps: int
-    host_seconds: float
+class Timing:
+    """One run of `timed_generate`: wall seconds, and what the decode-only steps after the first took."""
+
+    seconds: float  # the whole run, prefill included
+    decode_seconds: float  # the steps after the first
+    decode_steps: int  # runtime decode steps in those
+    host_seconds: float  # runtime Python outside graph calls in those
     request_steps: int  # every decode step's, the one beside the prefill included
 
 
-def _generate(rt: Runtime, prompts: list[list[int]], params: SamplingParams) -> _Timing:
-    """Run `prompts` to completion through `step()`. They all fit the largest bucket, so the first step
-    prefills every prompt and the later ones only decode: those give the per-iteration figures."""
+def timed_generate(rt: Runtime, prompts: list[list[int]], params: SamplingParams) -> Timing:
+    """Run `prompts` to completion through `step()` and time it. They must all fit the largest bucket,
+    so that the first step prefills every prompt and the later ones only decode: those give the
+    per-iteration figures."""
     start, initial = time.perf_counter(), rt.stats()["request_steps"]
     for prompt in prompts:
         rt.add_request(prompt, params)
@@ -278,7 +251,7 @@ def _generate(rt: Runtime, prompts: list[list[int]], params: SamplingParams) -> 
     while rt.has_unfinished():
         rt.step()
     end, after = time.perf_counter(), rt.stats()
-    return _Timing(
+    return Timing(
         end - start, end - first, after["decode_steps"] - before["decode_steps"], after["host_seconds"] - before["host_seconds"],
         after["request_steps"] - initial,
     )
@@ -292,7 +265,7 @@ def measure_acceptance(rt: Runtime, prompts: list[list[int]], new_tokens: int) -
     return Acceptance(rt.mtp_depth, s["acceptance_length"], rate, s["acceptance_rate_per_position"], s["draft_tokens"], s["accepted_tokens"])
 
 
-def engine_run(k: int | str, prompts: list[list[int]], new_tokens: int, timings: list[_Timing]) -> EngineRun:
+def engine_run(k: int | str, prompts: list[list[int]], new_tokens: int, timings: list[Timing]) -> EngineRun:
     """The best of `timings` (runs of the same prompts at depth k)."""
     b = len(prompts)
     # Every request emits new_tokens - 1 tokens in decode steps (the first comes from its prefill).
@@ -337,15 +310,15 @@ def bench_engine(
     for b in args.batch_sizes:
         batch = prompts.token_ids[:b]
         for rt in runtimes.values():
-            _generate(rt, batch, params)
+            timed_generate(rt, batch, params)
         if peer is not None and b == 1:
             peer.generate(batch[0], args.new_tokens)
-        timings: dict[int | str, list[_Timing]] = {k: [] for k in runtimes}
+        timings: dict[int | str, list[Timing]] = {k: [] for k in runtimes}
         depths_before = runtimes.get("auto") and runtimes["auto"].stats()["depth_histogram"]
         peer_seconds: list[float] = []
         for _ in range(args.runs):
             for k, rt in runtimes.items():
-                timings[k].append(_generate(rt, batch, params))
+                timings[k].append(timed_generate(rt, batch, params))
             if peer is not None and b == 1:
                 peer_seconds.append(_peer_seconds(peer, batch[0], args.new_tokens))
         if peer_seconds:

@@ -17,8 +17,9 @@ Data
     The Python standard library's own source: every `*.py` under `sysconfig.get_paths()["stdlib"]`,
     skipping site-packages and the test suites (`test`, `tests`, `idle_test` directories) and files that
     are not UTF-8, sorted by relative path. Every 20th file of that list (index % 20 == 0) is held out as
-    evaluation text; the rest is training text. Files are joined into one token stream, each preceded by
-    `<|endoftext|>`. The text differs a little between Python versions (this was run on 3.11).
+    evaluation text; the rest is training text (compiled_mtp/corpus.py, which `compiled-mtp bench` shares).
+    Files are joined into one token stream, each preceded by `<|endoftext|>`. The text differs a little
+    between Python versions (this was run on 3.11).
 
 How
     Phase 1 (joint, as DeepSeek-V3 trains MTP): loss = CE(target, t_{i+1}) + 0.3 * CE(MTP, t_{i+2}), the
@@ -77,6 +78,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from compiled_mtp.corpus import acceptance_prompts, split, stdlib_files  # noqa: E402
 from compiled_mtp.models.checkpoint import load_model, save_checkpoint  # noqa: E402
 from compiled_mtp.models.config import ModelConfig  # noqa: E402
 from compiled_mtp.models.deepseek_v3 import DeepseekV3, Router  # noqa: E402
@@ -84,8 +86,6 @@ from compiled_mtp.models.draft_vocab import token_ranking, write_ranking  # noqa
 from compiled_mtp.reference import reference_generate  # noqa: E402
 
 EOT = "<|endoftext|>"
-EXCLUDED_DIRS = {"site-packages", "test", "tests", "idle_test"}
-HOLDOUT_EVERY = 20
 # Not standard-library text: the sample prompt (tests/test_default_model.py guards acceptance on it).
 SAMPLE_PROMPT = '''import os
 
@@ -150,29 +150,6 @@ CONFIG: dict = {
 
 
 # ----------------------------------------------------------------------------------------------- data
-
-
-def stdlib_files() -> list[tuple[str, str]]:
-    """(relative path, text) of every UTF-8 stdlib *.py outside site-packages and test suites, sorted."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    out = []
-    for path in root.rglob("*.py"):
-        rel = path.relative_to(root)
-        if EXCLUDED_DIRS.intersection(rel.parts[:-1]) or not path.is_file():
-            continue
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue
-        if text.strip():
-            out.append((rel.as_posix(), text))
-    return sorted(out)
-
-
-def split(files: list[tuple[str, str]]) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-    train = [f for i, f in enumerate(files) if i % HOLDOUT_EVERY != 0]
-    held = [f for i, f in enumerate(files) if i % HOLDOUT_EVERY == 0]
-    return train, held
 
 
 def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
@@ -434,20 +411,6 @@ def fmt(d: dict[str, float]) -> str:
 # -------------------------------------------------------------------------------------------- measure
 
 
-def acceptance_prompts(tok: Tokenizer, held: list[tuple[str, str]], n: int, length: int) -> list[list[int]]:
-    """A `length`-token prefix starting one third into each held-out file (the first `n` long enough)."""
-    prompts = []
-    for _, text in held:
-        ids = tok.encode(text).ids
-        if len(ids) < 3 * length:
-            continue
-        a = len(ids) // 3
-        prompts.append(ids[a : a + length])
-        if len(prompts) == n:
-            break
-    return prompts
-
-
 def measure_acceptance(model: DeepseekV3, prompts: list[list[int]], new_tokens: int) -> dict:
     out = {}
     plain = reference_generate(model, prompts, new_tokens, 0)
@@ -538,7 +501,7 @@ def main() -> None:
     shipped = load_model(args.out)
     log["held_out_shipped"] = evaluate(shipped, held)
     print(f"shipped checkpoint held-out {fmt(log['held_out_shipped'])}", flush=True)
-    prompts = acceptance_prompts(tok, held_files, args.accept_prompts, 64)
+    prompts = acceptance_prompts(lambda text: tok.encode(text).ids, held_files, args.accept_prompts, 64)
     log["acceptance"] = measure_acceptance(shipped, prompts, args.accept_new_tokens)
     log["acceptance"]["prompts"] = len(prompts)
     for k, v in log["acceptance"].items():

@@ -23,8 +23,8 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 from transformers import DeepseekV3ForCausalLM  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
-from tests.factory import (  # noqa: E402
-    load_hf,
+from compiled_mtp.hf_baseline import load_hf  # noqa: E402
+from tests.checkpoints import (  # noqa: E402
     tiny_config,
     write_checkpoint,
     write_distilled_checkpoint,

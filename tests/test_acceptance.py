@@ -1,6 +1,6 @@
 """Acceptance parity: per request and decode step, the engine drafts and accepts exactly what the
 eager reference loop does, on checkpoints whose MTP layers read the target's hidden and attend over
-their own cache (tests.factory.write_distilled_checkpoint). Greedy tokens do not depend on the
+their own cache (tests.checkpoints.write_distilled_checkpoint). Greedy tokens do not depend on the
 drafts, so only these counts show a wrong draft: a draft at the wrong position or from the wrong
 hidden lowers acceptance without changing a token."""
 

@@ -13,7 +13,7 @@ import pytest
 
 from compiled_mtp import bench, llama_cpp_peer
 from compiled_mtp.capture.profile import DEFAULT_MODEL
-from tests.factory import write_echo_checkpoint
+from tests.checkpoints import write_echo_checkpoint
 
 DEPTHS, BATCHES = (0, 1, 2), (1, 2)
 

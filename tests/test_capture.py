@@ -30,7 +30,8 @@ from compiled_mtp.graphs.state import StaticState
 from compiled_mtp.models.checkpoint import load_model
 from compiled_mtp.passes.manager import inductor_options
 from compiled_mtp.reference import reference_generate
-from tests.factory import truncate_file, write_echo_checkpoint, write_garbage
+from tests.checkpoints import write_echo_checkpoint
+from tests.corruption import truncate_file, write_garbage
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = PROFILES / "test-tiny.toml"

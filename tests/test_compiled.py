@@ -18,7 +18,7 @@ from compiled_mtp import Runtime, SamplingParams
 from compiled_mtp.models.checkpoint import load_model
 from compiled_mtp.passes import narrow_linear, packed_linear
 from compiled_mtp.reference import reference_generate
-from tests.factory import write_echo_checkpoint
+from tests.checkpoints import write_echo_checkpoint
 
 PARAMS = SamplingParams(max_new_tokens=10, ignore_eos=True)
 

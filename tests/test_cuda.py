@@ -15,7 +15,7 @@ from compiled_mtp.graphs.state import StaticState
 from compiled_mtp.models.checkpoint import load_model
 from compiled_mtp.passes import fuse_verify_sampling
 from compiled_mtp.reference import reference_generate
-from tests.factory import write_echo_checkpoint
+from tests.checkpoints import write_echo_checkpoint
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

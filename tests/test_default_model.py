@@ -1,13 +1,15 @@
 """The shipped default model (compiled_mtp/default_model/, trained by scripts/train_default.py).
 
 Fast checks, no training: it loads with the engine's loader, has the DeepSeek-V3 shape the issue asks for,
-fits the size budget, its tokenizer round-trips Python, and its MTP layer still drafts well (a regression
-guard on greedy K=1 acceptance, deterministic).
+fits the size budget, its tokenizer round-trips Python, its MTP layer still drafts well (a regression
+guard on greedy K=1 acceptance, deterministic), and compiled_mtp/corpus.py still holds out the files it
+was measured on.
 """
 
 from __future__ import annotations
 
 import json
+import platform
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ import torch
 from safetensors import safe_open
 
 import compiled_mtp
+from compiled_mtp import corpus
 from compiled_mtp.models.checkpoint import load_model
 from compiled_mtp.models.config import ModelConfig
 from compiled_mtp.models.deepseek_v3 import MoE
@@ -28,7 +31,8 @@ EOT = "<|endoftext|>"
 
 # Not standard-library text (so held out whatever the Python version): the acceptance guard's prompt,
 # the sample scripts/train_default.py generates from and records in the shipped training log.
-PROMPT = json.loads((DEFAULT / "train_log.json").read_text())["samples"][0]["prompt"]
+LOG = json.loads((DEFAULT / "train_log.json").read_text())
+PROMPT = LOG["samples"][0]["prompt"]
 # Regression guards, half of what the shipped model measured (fp32 compute from its bf16 weights). On held-out
 # stdlib prefixes scripts/train_default.py measured K=1 acceptance 0.842 (train_log.json). With the MTP layer
 # re-initialised, or eh_proj's concat order swapped, both numbers fall below 0.05.
@@ -119,3 +123,15 @@ def test_k1_greedy_acceptance_on_held_out_prompt(model, tokenizer):
     out = reference_generate(model, [prompt], 64, 1)[0]
     rate = sum(out.accepted) / len(out.accepted)
     assert rate >= MIN_ACCEPTANCE, f"K=1 acceptance {rate:.3f} < {MIN_ACCEPTANCE} (measured {MEASURED_ON_PROMPT})"
+
+
+@pytest.mark.skipif(platform.python_version() != LOG["python"], reason=f"the stdlib text is Python {LOG['python']}'s")
+def test_corpus_split_is_the_one_the_model_was_trained_on(tokenizer):
+    """File and held-out token counts, the acceptance prompts found and the first one's text (the log's
+    second sample), as the training log records them."""
+    train, held = corpus.split(corpus.stdlib_files())
+    assert {"train": len(train), "held_out": len(held)} == LOG["files"]
+    assert sum(1 + len(tokenizer.encode(text).ids) for _, text in held) == LOG["tokens"]["held_out"]  # + <|endoftext|>
+    prompts = corpus.acceptance_prompts(lambda text: tokenizer.encode(text).ids, held, LOG["acceptance"]["prompts"], 64)
+    assert len(prompts) == LOG["acceptance"]["prompts"]
+    assert tokenizer.decode(prompts[0]) == LOG["samples"][1]["prompt"]

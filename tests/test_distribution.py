@@ -23,7 +23,7 @@ import torch
 
 from compiled_mtp import Runtime, SamplingParams
 from compiled_mtp.models.checkpoint import load_model
-from tests.factory import write_echo_checkpoint
+from tests.checkpoints import write_echo_checkpoint
 from tests.stats import chi_square_p_value
 
 VOCAB = 12

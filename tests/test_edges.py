@@ -11,7 +11,7 @@ from compiled_mtp import Runtime, SamplingParams
 from compiled_mtp.capture.profile import DEFAULT_MODEL
 from compiled_mtp.models.checkpoint import load_model
 from compiled_mtp.reference import reference_generate
-from tests.factory import tiny_config, write_checkpoint
+from tests.checkpoints import tiny_config, write_checkpoint
 from tests.test_acceptance import assert_acceptance_parity, prompts_for
 
 

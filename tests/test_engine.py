@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from compiled_mtp import Runtime, SamplingParams
 from compiled_mtp.models.checkpoint import load_model
 from compiled_mtp.reference import reference_generate
-from tests.factory import write_echo_checkpoint
+from tests.checkpoints import write_echo_checkpoint
 
 GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
 

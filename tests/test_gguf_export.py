@@ -15,7 +15,7 @@ from compiled_mtp.cli import main
 from compiled_mtp.capture.profile import DEFAULT_MODEL
 from compiled_mtp.models.checkpoint import load_model
 from compiled_mtp.models.gguf_export import export_gguf
-from tests.factory import tiny_config, write_checkpoint
+from tests.checkpoints import tiny_config, write_checkpoint
 
 gguf = pytest.importorskip("gguf")
 

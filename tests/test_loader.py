@@ -10,8 +10,8 @@ import torch
 
 from compiled_mtp.models.checkpoint import load_model
 from compiled_mtp.models.config import CheckpointError
-from tests import factory
-from tests.factory import copy_checkpoint, read_state_dict, tiny_config, write_checkpoint
+from tests.checkpoints import dequantize_checkpoint, read_state_dict, set_config_fields, tiny_config, write_checkpoint
+from tests.corruption import add_key, copy_checkpoint, delete_key, reshape_key, truncate_file, write_garbage
 from tests.test_models import engine_logits
 
 TOKENS = [3, 1, 4, 1, 5, 9, 2, 6]
@@ -59,7 +59,7 @@ def test_fp8_block_scaled_weights_dequantize(tmp_path):
     for key, value in engine.items():
         assert torch.equal(value, reference[key]), key
     # And the model computes what the dequantized fp32 checkpoint computes.
-    plain = load_model(factory.dequantize_checkpoint(path, tmp_path / "fp32"))
+    plain = load_model(dequantize_checkpoint(path, tmp_path / "fp32"))
     with torch.no_grad():
         torch.testing.assert_close(engine_logits(model, TOKENS), engine_logits(plain, TOKENS))
 
@@ -83,16 +83,16 @@ def _broken(tmp_path, src, breaker):
 
 
 BAD = {
-    "missing key": (lambda p: factory.delete_key(p, "model.layers.1.self_attn.o_proj.weight"), r"missing key 'model\.layers\.1\.self_attn\.o_proj\.weight'"),
-    "missing expert": (lambda p: factory.delete_key(p, "model.layers.2.mlp.experts.3.up_proj.weight"), r"missing key 'model\.layers\.2\.mlp\.experts\.3\.up_proj\.weight'"),
-    "unexpected key": (lambda p: factory.add_key(p, "model.layers.0.mlp.bogus.weight"), r"model\.safetensors: unexpected key 'model\.layers\.0\.mlp\.bogus\.weight'"),
-    "shape mismatch": (lambda p: factory.reshape_key(p, "model.layers.0.self_attn.kv_b_proj.weight", (7, 16)), r"model\.safetensors: key 'model\.layers\.0\.self_attn\.kv_b_proj\.weight' has shape \[7, 16\], expected \[80, 16\]"),
-    "truncated file": (lambda p: factory.truncate_file(p / "model.safetensors"), r"model\.safetensors: unreadable or truncated"),
-    "garbage file": (lambda p: factory.write_garbage(p / "model.safetensors"), r"model\.safetensors: unreadable or truncated"),
-    "model type": (lambda p: factory.set_config_fields(p, model_type="llama"), r"config\.json: model_type 'llama' is not supported"),
-    "architecture": (lambda p: factory.set_config_fields(p, architectures=["LlamaForCausalLM"]), r"config\.json: architectures \['LlamaForCausalLM'\] not supported"),
-    "missing config field": (lambda p: factory.set_config_fields(p, remove=("kv_lora_rank",)), r"config\.json: missing required field 'kv_lora_rank'"),
-    "no mtp layers": (lambda p: factory.set_config_fields(p, num_nextn_predict_layers=0), r"config\.json: num_nextn_predict_layers is 0, so mtp_depth must be 0"),
+    "missing key": (lambda p: delete_key(p, "model.layers.1.self_attn.o_proj.weight"), r"missing key 'model\.layers\.1\.self_attn\.o_proj\.weight'"),
+    "missing expert": (lambda p: delete_key(p, "model.layers.2.mlp.experts.3.up_proj.weight"), r"missing key 'model\.layers\.2\.mlp\.experts\.3\.up_proj\.weight'"),
+    "unexpected key": (lambda p: add_key(p, "model.layers.0.mlp.bogus.weight"), r"model\.safetensors: unexpected key 'model\.layers\.0\.mlp\.bogus\.weight'"),
+    "shape mismatch": (lambda p: reshape_key(p, "model.layers.0.self_attn.kv_b_proj.weight", (7, 16)), r"model\.safetensors: key 'model\.layers\.0\.self_attn\.kv_b_proj\.weight' has shape \[7, 16\], expected \[80, 16\]"),
+    "truncated file": (lambda p: truncate_file(p / "model.safetensors"), r"model\.safetensors: unreadable or truncated"),
+    "garbage file": (lambda p: write_garbage(p / "model.safetensors"), r"model\.safetensors: unreadable or truncated"),
+    "model type": (lambda p: set_config_fields(p, model_type="llama"), r"config\.json: model_type 'llama' is not supported"),
+    "architecture": (lambda p: set_config_fields(p, architectures=["LlamaForCausalLM"]), r"config\.json: architectures \['LlamaForCausalLM'\] not supported"),
+    "missing config field": (lambda p: set_config_fields(p, remove=("kv_lora_rank",)), r"config\.json: missing required field 'kv_lora_rank'"),
+    "no mtp layers": (lambda p: set_config_fields(p, num_nextn_predict_layers=0), r"config\.json: num_nextn_predict_layers is 0, so mtp_depth must be 0"),
     "no config": (lambda p: (p / "config.json").unlink(), r"config\.json: not found"),
 }
 

@@ -7,8 +7,11 @@ import tempfile
 import torch
 from hypothesis import example, given, settings
 
+from compiled_mtp.hf_baseline import load_hf
 from compiled_mtp.models.checkpoint import load_model
-from tests.factory import FULL_FEATURED_CONFIGS, config_strategy, hf_logits, hf_mtp_draft_logits, load_hf, write_checkpoint
+from tests.checkpoints import write_checkpoint
+from tests.oracle import hf_logits, hf_mtp_draft_logits
+from tests.strategies import FULL_FEATURED_CONFIGS, config_strategy
 
 # fp32 on tiny models: both sides differ only in summation order (absorbed vs expanded MLA,
 # gathered vs looped experts); observed differences are ~1e-6.

@@ -10,9 +10,12 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from compiled_mtp.hf_baseline import hf_mtp_generate, load_hf
 from compiled_mtp.models.checkpoint import load_model
 from compiled_mtp.reference import reference_generate
-from tests.factory import FULL_FEATURED_CONFIGS, config_strategy, hf_greedy, hf_mtp_generate, load_hf, write_checkpoint, write_echo_checkpoint
+from tests.checkpoints import write_checkpoint, write_echo_checkpoint
+from tests.oracle import hf_greedy
+from tests.strategies import FULL_FEATURED_CONFIGS, config_strategy
 
 NEW_TOKENS = 12
 

@@ -90,8 +90,12 @@ def example_inputs(key: GraphKey, model: DeepseekV3, prefill_chunk: int) -> tupl
     return ids(b), ids(b), ids(b), ids(b, k + 1), hidden, noise(1)
 
 
-def _own_code(fn: Callable, name: str) -> Callable:
-    """A function with `fn`'s behaviour and a code object of its own."""
+def own_code(fn: Callable, name: str) -> Callable:
+    """A function with `fn`'s behaviour and a code object of its own, named `name`.
+
+    Dynamo keeps its compiled graphs and its recompile count per code object, so graphs compiled
+    from copies of one function (one per graph key, with other shapes) neither share nor exhaust one
+    cache, and each shows under its own name in logs and profiles."""
     code = fn.__code__.replace(co_name=name, co_qualname=name)
     return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
@@ -184,7 +188,7 @@ class CompiledGraphs:
         if self.backend == "eager":
             return functools.partial(step, self.model, self.state)
         self.compiles += 1  # torch.compile compiles on the first call, which follows at once
-        fn = _own_code(step, key_name(key).replace("/", "_"))
+        fn = own_code(step, key_name(key).replace("/", "_"))
         # The model and the static state are built once and then only written in place (packed_linear
         # packs copies of the weights; a cached package holds no guards at all), so Dynamo's guards on
         # their modules only cost time: 0.3 ms of a 2.0-2.3 ms verify of the shipped model. The guards

@@ -1,4 +1,6 @@
-"""The test fixtures are what they claim: layout, HF loading, oracle conventions, echo, FP8, bad files."""
+"""The test helpers are what they claim: tests/checkpoints.py (layout, HF loading, echo, FP8, sharding),
+tests/oracle.py (HF conventions the oracle relies on), tests/strategies.py (drawn configs write and load)
+and tests/corruption.py (each breaks what it says and nothing else)."""
 
 from __future__ import annotations
 
@@ -14,30 +16,19 @@ from transformers import DeepseekV3ForCausalLM
 from transformers.generation.candidate_generator import MTPCandidateGenerator
 from transformers.modeling_layers import MtpModel
 
-from tests.factory import (
+from compiled_mtp.hf_baseline import hf_mtp_generate, load_hf, wrapped
+from tests.checkpoints import (
     FP8_BLOCK,
-    FULL_FEATURED_CONFIGS,
-    _wrapped,
-    add_key,
-    config_strategy,
-    copy_checkpoint,
-    delete_key,
     dequantize_checkpoint,
-    file_of,
-    hf_greedy,
-    hf_logits,
-    hf_mtp_draft_logits,
-    hf_mtp_generate,
-    load_hf,
     read_state_dict,
-    reshape_key,
     set_config_fields,
     tiny_config,
-    truncate_file,
     write_checkpoint,
     write_echo_checkpoint,
-    write_garbage,
 )
+from tests.corruption import add_key, copy_checkpoint, delete_key, file_of, reshape_key, truncate_file, write_garbage
+from tests.oracle import hf_greedy, hf_logits, hf_mtp_draft_logits
+from tests.strategies import FULL_FEATURED_CONFIGS, config_strategy
 
 
 def _tokens(n: int, vocab: int, seed: int) -> list[int]:
@@ -67,7 +58,7 @@ def _expected_mtp_keys(config, layer: int) -> set[str]:
     return keys
 
 
-# ----------------------------------------------------------------------------- layout and loading
+# ----------------------------------------------------------------------------- checkpoints: layout and loading
 
 
 def test_checkpoint_layout(tiny_checkpoint: Path) -> None:
@@ -134,7 +125,7 @@ def test_logits_well_conditioned(tiny_hf: DeepseekV3ForCausalLM) -> None:
     assert 0.2 < logits.softmax(-1).amax(-1).mean() < 0.8  # neither near-uniform nor one-hot
 
 
-# ----------------------------------------------------------------------------- HF oracle helpers
+# ----------------------------------------------------------------------------- oracle
 
 
 def test_hf_greedy_is_argmax_and_ignores_eos(tiny_checkpoint: Path) -> None:
@@ -179,7 +170,7 @@ def test_mtp_draft_logits_match_hf_generator_first_draft(tiny_hf: DeepseekV3ForC
     """The prefill draft of HF's MTPCandidateGenerator is the last row of hf_mtp_draft_logits."""
     prompt = _tokens(7, 97, 3)
     seen = []
-    with _wrapped(MTPCandidateGenerator, "get_candidates", lambda r, *a, **k: seen.append(r)):
+    with wrapped(MTPCandidateGenerator, "get_candidates", lambda r, *a, **k: seen.append(r)):
         generated, _ = hf_mtp_generate(tiny_hf, prompt, 2)
     first_draft = next(logits for _, logits in seen if logits is not None)[0, 0]
     draft = hf_mtp_draft_logits(tiny_hf, prompt + generated[:1])
@@ -196,7 +187,7 @@ def test_hf_mtp_generate_matches_greedy(which: str, request: pytest.FixtureReque
         if scores.shape[1] > 1:
             hf_counts.append(int(num_matches))
 
-    with _wrapped(MTPCandidateGenerator, "update_candidate_strategy", record):
+    with wrapped(MTPCandidateGenerator, "update_candidate_strategy", record):
         tokens, accepted = hf_mtp_generate(model, prompt, n)
     assert tokens == hf_greedy(model, prompt, n)
     assert all(a in (0, 1) for a in accepted)
@@ -228,7 +219,7 @@ def test_no_mtp_checkpoint(tmp_path: Path) -> None:
     assert hf_logits(load_hf(path), [3, 4, 5]).shape == (3, 97)
 
 
-# ----------------------------------------------------------------------------- echo
+# ----------------------------------------------------------------------------- checkpoints: echo
 
 
 def test_echo_draft_equals_target_next_token(echo_checkpoint: Path, echo_hf: DeepseekV3ForCausalLM) -> None:
@@ -238,7 +229,7 @@ def test_echo_draft_equals_target_next_token(echo_checkpoint: Path, echo_hf: Dee
     assert (draft == target).float().mean() >= 0.95
     sd = read_state_dict(echo_checkpoint)
     torch.testing.assert_close(sd["model.embed_tokens.weight"].pow(2).mean(-1), torch.ones(97))
-    # the MTP block (experts unfused by the factory) is the target layer (experts unfused by HF)
+    # the MTP block (experts unfused by write_echo_checkpoint) is the target layer (experts unfused by HF)
     block = {k.removeprefix("model.layers.0."): v for k, v in sd.items() if k.startswith("model.layers.0.")}
     assert len(block) > 30
     for key, value in block.items():
@@ -269,7 +260,7 @@ def test_echo_noise_and_attention_lower_agreement(tmp_path: Path) -> None:
         assert low < agree < high, (name, agree)
 
 
-# ----------------------------------------------------------------------------- storage variants
+# ----------------------------------------------------------------------------- checkpoints: storage variants; strategies
 
 
 def test_fp8_block_quantization(tmp_path: Path) -> None:
@@ -339,7 +330,7 @@ def test_strategy_configs_write_and_load(config) -> None:
         assert hf_mtp_draft_logits(model, tokens).shape == (6, config.vocab_size)
 
 
-# ----------------------------------------------------------------------------- bad checkpoints
+# ----------------------------------------------------------------------------- corruption
 
 
 def test_bad_checkpoint_helpers(tmp_path: Path) -> None:

@@ -1,11 +1,12 @@
-"""Test fixtures: tiny DeepSeek-V3 checkpoints with MTP layers, and HF transformers as the oracle.
+"""Tiny DeepSeek-V3 checkpoints with MTP layers, written the way DeepSeek releases them.
 
 Checkpoints are written in the DeepSeek-V3 release layout (see docs/design.md, "Checkpoints"):
 HF's `save_pretrained` writes the target model (routed experts as per-expert keys), then MTP layer i
 is added at `model.layers.{num_hidden_layers + i}.` with `enorm`, `hnorm`, `eh_proj`,
-`shared_head.norm`, `shared_head.head`, `embed_tokens` and a MoE decoder layer's keys.
-transformers is used only here and in compiled_mtp/hf_baseline.py (loading, generate), as the reference
-implementation.
+`shared_head.norm`, `shared_head.head`, `embed_tokens` and a MoE decoder layer's keys. Three kinds:
+`write_checkpoint` (random weights, any config, optionally FP8 or sharded), `write_echo_checkpoint`
+(drafts the target's next token) and `write_distilled_checkpoint` (drafts accepted about 60% of the
+time). `read_state_dict` and `dequantize_checkpoint` read them back.
 """
 
 from __future__ import annotations
@@ -21,18 +22,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from hypothesis import strategies as st
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-from transformers.cache_utils import MtpCache
-from transformers.modeling_layers import MtpModel
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
 
-# The HF driving code is shared with the benchmark; re-exported here for the tests.
-from compiled_mtp.hf_baseline import hf_mtp_generate, load_hf  # noqa: F401
-from compiled_mtp.hf_baseline import wrapped as _wrapped  # noqa: F401
 from compiled_mtp.models.checkpoint import load_model, save_checkpoint
 from compiled_mtp.models.deepseek_v3 import DeepseekV3
 
@@ -50,6 +44,17 @@ FP8_WEIGHT = re.compile(
     r"^model\.layers\.\d+\.(self_attn\.(q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)"
     r"|mlp\.(shared_experts\.|experts\.\d+\.)?(gate_proj|up_proj|down_proj))\.weight$"
 )
+# tiny_config's rope: YaRN, 4x over 64 positions.
+TINY_YARN: dict[str, Any] = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+    "beta_fast": 32,
+    "beta_slow": 1,
+}
 _TINY: dict[str, Any] = dict(
     vocab_size=97,
     hidden_size=32,
@@ -72,16 +77,7 @@ _TINY: dict[str, Any] = dict(
     norm_topk_prob=True,
     max_position_embeddings=256,
     num_nextn_predict_layers=1,
-    rope_parameters={
-        "rope_type": "yarn",
-        "rope_theta": 10000.0,
-        "factor": 4.0,
-        "original_max_position_embeddings": 64,
-        "mscale": 1.0,
-        "mscale_all_dim": 1.0,
-        "beta_fast": 32,
-        "beta_slow": 1,
-    },
+    rope_parameters=TINY_YARN,
     rope_interleave=True,
     bos_token_id=0,
     eos_token_id=1,
@@ -100,67 +96,6 @@ def tiny_config(**overrides: Any) -> DeepseekV3Config:
     params.setdefault("num_key_value_heads", params["num_attention_heads"])
     return DeepseekV3Config(**params, dtype=torch.float32, attn_implementation="eager")
 
-
-@st.composite
-def config_strategy(draw: st.DrawFn) -> DeepseekV3Config:
-    """Hypothesis strategy over tiny configs: MLA ranks, YaRN, rope layout, group routing, dense/MoE mix."""
-    num_layers = draw(st.integers(1, 3))
-    n_group = draw(st.sampled_from([1, 2, 4]))
-    per_group = draw(st.integers(2, 4))  # the group score sums each group's top-2 experts
-    topk_group = draw(st.integers(1, n_group))
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": draw(st.sampled_from([10000.0, 50000.0]))}
-    if draw(st.booleans()):
-        rope |= {
-            "rope_type": "yarn",
-            "factor": draw(st.floats(2.0, 8.0)),
-            "original_max_position_embeddings": draw(st.sampled_from([32, 64, 128])),
-            "mscale": draw(st.sampled_from([0.707, 1.0])),
-            "mscale_all_dim": draw(st.sampled_from([0.0, 0.707, 1.0])),
-            "beta_fast": 32,
-            "beta_slow": 1,
-        }
-    return tiny_config(
-        vocab_size=2 * draw(st.integers(25, 150)) + 1,
-        hidden_size=draw(st.sampled_from([16, 32])),
-        intermediate_size=draw(st.sampled_from([24, 48])),
-        moe_intermediate_size=draw(st.sampled_from([8, 16])),
-        num_hidden_layers=num_layers,
-        num_attention_heads=draw(st.sampled_from([1, 2, 4])),
-        q_lora_rank=draw(st.one_of(st.none(), st.sampled_from([12, 24]))),
-        kv_lora_rank=draw(st.sampled_from([8, 16])),
-        qk_nope_head_dim=draw(st.sampled_from([4, 8])),
-        qk_rope_head_dim=draw(st.sampled_from([4, 8])),
-        v_head_dim=draw(st.sampled_from([4, 12])),
-        n_routed_experts=n_group * per_group,
-        n_group=n_group,
-        topk_group=topk_group,
-        num_experts_per_tok=draw(st.integers(1, topk_group * per_group)),
-        n_shared_experts=draw(st.sampled_from([1, 2])),
-        first_k_dense_replace=draw(st.integers(0, num_layers)),
-        norm_topk_prob=draw(st.booleans()),
-        routed_scaling_factor=draw(st.sampled_from([0.5, 1.0, 2.5])),
-        rope_parameters=rope,
-        rope_interleave=draw(st.booleans()),
-    )
-
-
-# q_lora, MoE layers and YaRN together, in two layouts. Ten derandomized draws of config_strategy
-# (the "ci" profile) need not contain such a config, so its users add these as explicit @example()s.
-FULL_FEATURED_CONFIGS = (
-    tiny_config(),  # first layer dense, then MoE; interleaved rope; mscale = mscale_all_dim
-    tiny_config(
-        num_hidden_layers=3,
-        first_k_dense_replace=0,
-        num_attention_heads=2,
-        q_lora_rank=12,
-        n_group=4,
-        topk_group=2,
-        num_experts_per_tok=3,
-        norm_topk_prob=False,
-        rope_interleave=False,
-        rope_parameters={**_TINY["rope_parameters"], "factor": 8.0, "original_max_position_embeddings": 32, "mscale": 0.707, "mscale_all_dim": 0.0},
-    ),
-)
 
 
 # ----------------------------------------------------------------------------- weights
@@ -273,11 +208,12 @@ def dequantize_fp8(weight: Tensor, scale_inv: Tensor) -> Tensor:
     return weight.float() * scale
 
 
-# ----------------------------------------------------------------------------- files
+# ----------------------------------------------------------------------------- files on disk
 
 
-def _shard_files(path: Path) -> list[Path]:
+def shard_files(path: str | Path) -> list[Path]:
     """The checkpoint's safetensors files (from the index when sharded), sorted."""
+    path = Path(path)
     index = path / "model.safetensors.index.json"
     if index.exists():
         names = set(json.loads(index.read_text())["weight_map"].values())
@@ -285,10 +221,10 @@ def _shard_files(path: Path) -> list[Path]:
     return [path / "model.safetensors"]
 
 
-def _rewrite(path: Path, edit: Callable[[Path, dict[str, Tensor]], dict[str, Tensor]]) -> None:
+def rewrite_tensors(path: str | Path, edit: Callable[[Path, dict[str, Tensor]], dict[str, Tensor]]) -> None:
     """Apply `edit(file, tensors)` to every safetensors file and rebuild the index (when sharded)."""
-    weight_map, total = {}, 0
-    for file in _shard_files(path):
+    path, weight_map, total = Path(path), {}, 0
+    for file in shard_files(path):
         tensors = edit(file, load_file(file))
         save_file(tensors, file, metadata={"format": "pt"})
         weight_map |= {k: file.name for k in tensors}
@@ -297,6 +233,17 @@ def _rewrite(path: Path, edit: Callable[[Path, dict[str, Tensor]], dict[str, Ten
     if index.exists():
         meta = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         index.write_text(json.dumps(meta, indent=2))
+
+
+def set_config_fields(path: str | Path, remove: tuple[str, ...] = (), **fields: Any) -> None:
+    """Set top-level fields of config.json (e.g. num_nextn_predict_layers=0, model_type="llama") and
+    remove those named in `remove`."""
+    file = Path(path) / "config.json"
+    config = {k: v for k, v in json.loads(file.read_text()).items() if k not in remove} | fields
+    file.write_text(json.dumps(config, indent=2, sort_keys=True))
+
+
+# ----------------------------------------------------------------------------- writers
 
 
 def _convert(tensors: dict[str, Tensor], dtype: torch.dtype, fp8: bool) -> dict[str, Tensor]:
@@ -310,13 +257,6 @@ def _convert(tensors: dict[str, Tensor], dtype: torch.dtype, fp8: bool) -> dict[
         else:
             out[key] = value.to(dtype).contiguous()
     return out
-
-
-def _update_config(path: Path, remove: tuple[str, ...] = (), **fields: Any) -> None:
-    """Set top-level fields of config.json and remove those named in `remove`."""
-    file = path / "config.json"
-    config = {k: v for k, v in json.loads(file.read_text()).items() if k not in remove} | fields
-    file.write_text(json.dumps(config, indent=2, sort_keys=True))
 
 
 def _save(
@@ -334,14 +274,14 @@ def _save(
         model.save_pretrained(path)
     else:
         model.save_pretrained(path, max_shard_size=max_shard_size)
-    last = _shard_files(path)[-1]
+    last = shard_files(path)[-1]
 
     def edit(file: Path, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
         return _convert(tensors | mtp_state if file == last else tensors, dtype, fp8)
 
-    _rewrite(path, edit)
+    rewrite_tensors(path, edit)
     fields: dict[str, Any] = {"quantization_config": FP8_QUANTIZATION_CONFIG} if fp8 else {}
-    _update_config(path, dtype=str(dtype).removeprefix("torch."), **fields)
+    set_config_fields(path, dtype=str(dtype).removeprefix("torch."), **fields)
     return path
 
 
@@ -510,13 +450,16 @@ def distill_mtp(model: DeepseekV3, steps: int, seed: int, batch: int = 8, length
         p.requires_grad_(False)
 
 
+# ----------------------------------------------------------------------------- reading back
+
+
 def read_state_dict(path: str | Path) -> dict[str, Tensor]:
     """Every tensor of a checkpoint as float32, FP8 weights dequantized (their scale_inv keys dropped).
 
     This is the reference an engine loader's output (before its own fusing) is compared with.
     """
     raw: dict[str, Tensor] = {}
-    for file in _shard_files(Path(path)):
+    for file in shard_files(path):
         raw |= load_file(file)
     out = {}
     for key, value in raw.items():
@@ -535,111 +478,5 @@ def dequantize_checkpoint(src: str | Path, dst: str | Path) -> Path:
         if (src / name).exists():
             shutil.copy(src / name, dst / name)
     save_file(read_state_dict(src), dst / "model.safetensors", metadata={"format": "pt"})
-    _update_config(dst, remove=("quantization_config",), dtype="float32")
+    set_config_fields(dst, remove=("quantization_config",), dtype="float32")
     return dst
-
-
-# ----------------------------------------------------------------------------- HF oracle
-
-
-@torch.no_grad()
-def hf_logits(model: DeepseekV3ForCausalLM, tokens: list[int]) -> Tensor:
-    """Target logits [T, V] for one sequence (no cache); row t predicts tokens[t + 1]."""
-    return model(torch.tensor([tokens]), use_cache=False).logits[0]
-
-
-@torch.no_grad()
-def hf_greedy(model: DeepseekV3ForCausalLM, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """Plain greedy decoding; exactly `max_new_tokens` generated ids.
-
-    EOS stopping is off: `eos_token_id=None` is passed to `generate` as a keyword, which overrides
-    the checkpoint's generation_config (a `GenerationConfig` object would not: its None fields get
-    the model's defaults). No logits processor is active, so no token is suppressed.
-    """
-    out = model.generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        do_sample=False,
-        max_new_tokens=max_new_tokens,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    return out[0, len(prompt) :].tolist()
-
-
-@torch.no_grad()
-def hf_mtp_draft_logits(model: DeepseekV3ForCausalLM, tokens: list[int]) -> Tensor:
-    """Depth-1 MTP logits [T-1, V] from HF's MtpModel (its first MTP layer) over a whole sequence.
-
-    Row i takes token tokens[i+1] and the target's post-final-norm hidden at position i
-    (`hidden_states[-1]`, which HF ties to `last_hidden_state`), and predicts tokens[i+2]. As in
-    HF's MTPCandidateGenerator prefill, the row's position id is i + 1 (its token's position) and
-    the cache is a fresh MtpCache.
-    """
-    ids = torch.tensor([tokens])
-    hidden = model(ids, output_hidden_states=True, use_cache=False).hidden_states[-1]
-    mtp = MtpModel.from_pretrained(model).eval()
-    out = mtp.forward_layer(
-        0,
-        hidden[:, :-1],
-        position_ids=torch.arange(1, len(tokens))[None],
-        mtp_cache=MtpCache(config=model.config.get_mtp_config()),
-        input_ids=ids[:, 1:],
-    )
-    return mtp._project_to_logits(out)[0]
-
-
-# ----------------------------------------------------------------------------- bad checkpoints
-
-
-def copy_checkpoint(src: str | Path, dst: str | Path) -> Path:
-    """A copy of checkpoint directory `src` at `dst` (to break without touching `src`)."""
-    return Path(shutil.copytree(src, dst))
-
-
-def file_of(path: str | Path, key: str) -> Path:
-    """The safetensors file of checkpoint `path` that holds `key`."""
-    for file in _shard_files(Path(path)):
-        with safe_open(file, "pt") as f:
-            if key in f.keys():
-                return file
-    raise KeyError(key)
-
-
-def delete_key(path: str | Path, key: str) -> None:
-    """Remove tensor `key` from its file (and from the index)."""
-    _rewrite(Path(path), lambda _, tensors: {k: v for k, v in tensors.items() if k != key})
-
-
-def add_key(path: str | Path, key: str, value: Tensor | None = None) -> None:
-    """Add tensor `key` (default: a float32 zeros [4]) to the last file (and the index)."""
-    last = _shard_files(Path(path))[-1]
-    extra = {key: torch.zeros(4) if value is None else value}
-    _rewrite(Path(path), lambda file, tensors: tensors | extra if file == last else tensors)
-
-
-def reshape_key(path: str | Path, key: str, shape: tuple[int, ...]) -> None:
-    """Replace tensor `key` by zeros of `shape` (same dtype)."""
-    file = file_of(path, key)
-    _rewrite(
-        Path(path),
-        lambda f, tensors: tensors | {key: torch.zeros(shape, dtype=tensors[key].dtype)} if f == file else tensors,
-    )
-
-
-def truncate_file(file: str | Path, fraction: float = 0.5) -> None:
-    """Cut a file to `fraction` of its size."""
-    data = Path(file).read_bytes()
-    Path(file).write_bytes(data[: int(len(data) * fraction)])
-
-
-def write_garbage(file: str | Path, seed: int = 0) -> None:
-    """Overwrite a file with seeded random bytes of the same length."""
-    gen = torch.Generator().manual_seed(seed)
-    data = torch.randint(0, 256, (Path(file).stat().st_size,), generator=gen, dtype=torch.uint8)
-    Path(file).write_bytes(data.numpy().tobytes())
-
-
-def set_config_fields(path: str | Path, remove: tuple[str, ...] = (), **fields: Any) -> None:
-    """Set config.json fields (e.g. num_nextn_predict_layers=0, model_type="llama") and remove `remove`."""
-    _update_config(Path(path), remove, **fields)

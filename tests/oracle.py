@@ -1,0 +1,49 @@
+"""HF transformers as the oracle: target logits, MTP draft logits and greedy decoding of a checkpoint.
+
+Loading (`load_hf`) and MTP generation (`hf_mtp_generate`) are shared with the benchmark and live in
+compiled_mtp/hf_baseline.py; these are the oracle's other views of a loaded model.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from transformers import DeepseekV3ForCausalLM
+from transformers.cache_utils import MtpCache
+from transformers.modeling_layers import MtpModel
+
+from compiled_mtp.hf_baseline import hf_generate
+
+
+@torch.no_grad()
+def hf_logits(model: DeepseekV3ForCausalLM, tokens: list[int]) -> Tensor:
+    """Target logits [T, V] for one sequence (no cache); row t predicts tokens[t + 1]."""
+    return model(torch.tensor([tokens]), use_cache=False).logits[0]
+
+
+def hf_greedy(model: DeepseekV3ForCausalLM, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Plain greedy `generate` of one prompt: exactly `max_new_tokens` ids, EOS ignored (`hf_generate`)."""
+    return hf_generate(model, [prompt], max_new_tokens)[0]
+
+
+@torch.no_grad()
+def hf_mtp_draft_logits(model: DeepseekV3ForCausalLM, tokens: list[int]) -> Tensor:
+    """Depth-1 MTP logits [T-1, V] from HF's MtpModel (its first MTP layer) over a whole sequence.
+
+    Row i takes token tokens[i+1] and the target's post-final-norm hidden at position i
+    (`hidden_states[-1]`, which HF ties to `last_hidden_state`), and predicts tokens[i+2]. As in
+    HF's MTPCandidateGenerator prefill, the row's position id is i + 1 (its token's position) and
+    the cache is a fresh MtpCache.
+    """
+    ids = torch.tensor([tokens])
+    hidden = model(ids, output_hidden_states=True, use_cache=False).hidden_states[-1]
+    mtp = MtpModel.from_pretrained(model).eval()
+    out = mtp.forward_layer(
+        0,
+        hidden[:, :-1],
+        position_ids=torch.arange(1, len(tokens))[None],
+        mtp_cache=MtpCache(config=model.config.get_mtp_config()),
+        input_ids=ids[:, 1:],
+    )
+    return mtp._project_to_logits(out)[0]
+

@@ -15,7 +15,7 @@ from compiled_mtp.capture.post_grad import post_grad_graphs
 from compiled_mtp.capture.compiler import example_inputs
 from compiled_mtp.graphs.state import StaticState
 from compiled_mtp.models.checkpoint import load_model
-from compiled_mtp.models.deepseek_v3 import gathered_experts, latent_attention
+from compiled_mtp.models.deepseek_v3 import dense_mlp, gathered_experts, latent_attention
 from compiled_mtp.ops import library
 from compiled_mtp.ops.greedy_sample import greedy_verify
 from compiled_mtp.passes import narrow_linear
@@ -50,6 +50,17 @@ def test_routed_experts_matches_the_gathered_products(rows, k, extra, inter, hid
     expected = gathered_experts(x, idx, weights, gate, up, down)
     got = ops.routed_experts(x, idx, weights, gate, up, down)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * max(1.0, expected.abs().max().item()))
+
+
+@pytest.mark.parametrize("shape", [(1, 40), (3, 40), (2, 2, 17), (5, 3)])
+def test_dense_mlp_matches_the_model_function(shape):
+    """Any leading shape, lengths that leave vector tails (17, 3) and an odd last down row (3)."""
+    gen = torch.Generator().manual_seed(sum(shape))
+    hidden, inter = shape[-1], 2 * shape[-1] + 1
+    x = torch.randn(shape, generator=gen)
+    gate, up, down = torch.randn(inter, hidden, generator=gen), torch.randn(inter, hidden, generator=gen), torch.randn(hidden, inter, generator=gen)
+    expected = dense_mlp(x.double(), gate.double(), up.double(), down.double()).float()
+    torch.testing.assert_close(ops.dense_mlp(x, gate, up, down), expected, rtol=1e-4, atol=1e-4 * max(1.0, expected.abs().max().item()))
 
 
 def _attention_case(gen: torch.Generator, batch: int, rows: int, capacity: int, heads: int, rank: int, rope: int, slots: int, blind: bool):
@@ -98,6 +109,7 @@ def _refusals():
         (lambda: ops.few_row_linear(x, w.t().contiguous().t()), "few_row_linear: weight must be contiguous"),
         (lambda: ops.few_row_linear(x, w[:, :39].contiguous()), "few_row_linear: x has 40 columns, weight 39"),
         (lambda: ops.routed_experts(e_x, idx, e_w, gate, up, down[:, :, :7].contiguous()), "routed_experts: down must be [6, 24, 8], got [6, 24, 7]"),
+        (lambda: ops.dense_mlp(e_x, gate[0], up[0], down[0, :8].contiguous()), "dense_mlp: down must be [24, 8], got [8, 8]"),
         (lambda: ops.routed_experts(e_x, idx.clamp(max=0) + 6, e_w, gate, up, down), "routed_experts: expert id 6 outside [0, 6)"),
         (lambda: ops.live_attention(q_latent, q_pe, cache, slots, visible[:, :, :69], 0.3), "live_attention: visible must be [2, 3, 70], got [2, 3, 69]"),
         (lambda: ops.live_attention(q_latent, q_pe, cache, slots.int(), visible, 0.3), "live_attention: slots must be Long, got Int"),
@@ -139,9 +151,9 @@ def test_without_the_library_every_region_stays_as_traced(tiny_checkpoint, unbui
     monkeypatch.setattr(narrow_linear, "KERNEL_WEIGHT", 0)
     with caplog.at_level("INFO", logger="compiled_mtp.passes"):
         _, after = post_grad_graphs("target_verify", model, state, example_inputs(("target_verify", 2, 2), model, prefill_chunk=8), available())
-    native = {ops.few_row_linear.default, ops.live_attention.default, ops.routed_experts.default}
+    native = {ops.few_row_linear.default, ops.live_attention.default, ops.routed_experts.default, ops.dense_mlp.default}
     assert not [n for n in after.graph.nodes if n.target in native]
-    for name in ("live_attention", "group_experts"):
+    for name in ("live_attention", "group_experts", "fuse_dense_mlp"):
         assert f"{name}: left as traced: the C++ ops did not build" in caplog.text
     logits, drafts, q = torch.randn(2, 3, 50), torch.randint(0, 50, (2, 2)), torch.rand(2, 2, 50)
     assert greedy_verify(logits, torch.zeros(2), drafts, q, torch.rand(2, 3)) is None

@@ -279,6 +279,26 @@ def test_group_experts_leaves_a_layer_the_op_does_not_reproduce(model, state, mo
     assert "group_experts: left as traced: the op reproduces the region on 0%, 0% of the probes under the 2 assignments of its inputs, expected exactly one at 100% or more" in caplog.text
 
 
+DENSE_MLP = torch.ops.compiled_mtp.dense_mlp.default
+
+
+@pytest.mark.parametrize("kind,b,k,calls", [("target_verify", 1, 3, 1), ("target_verify", 2, 1, 1), ("draft_extend", 1, 2, 0), ("target_verify", 1, 0, 0), ("prefill", 1, 0, 0)])
+def test_fuse_dense_mlp_takes_each_dense_mlp_on_2_to_4_rows(model, state, kind, b, k, calls):
+    """The tiny target's one dense layer becomes one op when its verify has 2-4 rows; M's layer is
+    MoE, one row or a prefill chunk of 8 stay as traced. The same outputs and state as without it."""
+    before, after = _graphs(kind, b, k, model, state, ("fuse_dense_mlp",))
+    assert _count(before, DENSE_MLP) == 0 and _count(after, DENSE_MLP) == calls
+    assert _count(before, aten.mm.default) - _count(after, aten.mm.default) == 3 * calls
+    _assert_same(before, after, state, model, kind, b, k, exact=False)
+
+
+def test_dense_mlp_that_disagrees_with_the_op_stays(model, state, monkeypatch, caplog):
+    _replace_op(monkeypatch, "fuse_dense_mlp", lambda x, *args: torch.zeros_like(x))
+    before, after = _graphs("target_verify", 1, 3, model, state, ("fuse_dense_mlp",))
+    assert _count(after, DENSE_MLP) == 0 and len(after.graph.nodes) == len(before.graph.nodes)
+    assert "fuse_dense_mlp: left as traced: the op reproduces the region on 0%, 0% of the probes" in caplog.text
+
+
 def _cache_gathers(graph, capacity):
     """Gathers of whole cache rows by slot: index nodes producing [B, capacity, D]."""
     return [n for n in graph.graph.nodes if n.target is aten.index.Tensor and n.meta["val"].dim() == 3 and n.meta["val"].shape[1] == capacity]
@@ -373,7 +393,7 @@ class _Module(torch.nn.Module):
 
 
 def test_switches_and_uuids():
-    assert set(ALL) == {"fuse_verify_sampling", "fuse_draft_sampling", "live_attention", "group_experts", "narrow_linear", "packed_linear", "fold_key_constants"}
+    assert set(ALL) == {"fuse_verify_sampling", "fuse_draft_sampling", "live_attention", "group_experts", "fuse_dense_mlp", "narrow_linear", "packed_linear", "fold_key_constants"}
     uuids = {PassManager(tuple(subset)).uuid() for n in range(len(ALL) + 1) for subset in __import__("itertools").combinations(ALL, n)}
     assert len(uuids) == 2 ** len(ALL)  # every pass set keys its own cache entries
     assert PassManager(ALL).uuid() == PassManager(tuple(reversed(ALL))).uuid()  # run order is the registry's
@@ -388,7 +408,7 @@ def test_command_line_switch(capsys):
     from compiled_mtp.cli import _engine_options, main
 
     args = argparse.Namespace(max_seq_len=None, dtype=None, device=None, draft_vocab=None, backend="inductor", cache_dir=None, disable_pass=["packed_linear"])
-    assert _engine_options(args, None)["passes"] == ("fold_key_constants", "fuse_draft_sampling", "fuse_verify_sampling", "group_experts", "live_attention", "narrow_linear")
+    assert _engine_options(args, None)["passes"] == ("fold_key_constants", "fuse_dense_mlp", "fuse_draft_sampling", "fuse_verify_sampling", "group_experts", "live_attention", "narrow_linear")
     with pytest.raises(SystemExit):
         main(["generate", "hello", "--disable-pass", "fuse_everything"])
     assert "invalid choice: 'fuse_everything'" in capsys.readouterr().err

@@ -151,7 +151,13 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return dense_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+
+
+def dense_mlp(x: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
+    """SwiGLU: x [..., H], gate / up [I, H], down [H, I] -> [..., H]. A function of its own, so that a
+    pass can find its calls (passes/fuse_dense_mlp.py)."""
+    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
 
 
 class Experts(nn.Module):

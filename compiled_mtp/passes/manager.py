@@ -15,6 +15,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from ..ops import library
 from .fold_key_constants import FoldKeyConstants
+from .fuse_dense_mlp import FuseDenseMLP
 from .fuse_draft_sampling import FuseDraftSampling
 from .fuse_verify_sampling import FuseVerifySampling
 from .group_experts import GroupExperts
@@ -31,6 +32,7 @@ REGISTRY: dict[str, CustomGraphPass] = {
     "fuse_draft_sampling": FuseDraftSampling(),
     "live_attention": LiveAttention(),
     "group_experts": GroupExperts(),
+    "fuse_dense_mlp": FuseDenseMLP(),
     "narrow_linear": NarrowLinear(),
     "packed_linear": PackedLinear(),
     "fold_key_constants": FoldKeyConstants(),

@@ -125,6 +125,32 @@ at::Tensor routed_experts(const at::Tensor& x_in, const at::Tensor& idx_in, cons
     return out;
 }
 
+// compiled_mtp::dense_mlp: a dense SwiGLU MLP (models.deepseek_v3.dense_mlp) as one expert that every
+// row takes with weight 1: x [..., H], gate / up [I, H], down [H, I] -> [..., H]. One call reads each
+// weight once for all the rows, where three linears and the activation between them were four.
+at::Tensor dense_mlp(const at::Tensor& x_in, const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down) {
+    const char* op = "dense_mlp";
+    TORCH_CHECK(x_in.dim() >= 1, op, ": x must have a dimension of features");
+    check(x_in, op, "x", at::kFloat, x_in.dim());
+    check(gate, op, "gate", at::kFloat, 2, true);
+    check(up, op, "up", at::kFloat, 2, true);
+    check(down, op, "down", at::kFloat, 2, true);
+    const int64_t h = x_in.size(-1), n = h ? x_in.numel() / h : 0, inter = gate.size(0);
+    TORCH_CHECK(up.sizes() == gate.sizes() && gate.size(1) == h, op, ": gate and up must be [inter, ", h, "], got ", gate.sizes(), " and ", up.sizes());
+    TORCH_CHECK(down.sizes() == at::IntArrayRef({h, inter}), op, ": down must be ", at::IntArrayRef({h, inter}), ", got ", down.sizes());
+    const at::Tensor x = x_in.contiguous();
+    const std::vector<int64_t> ids(n, 0);
+    const std::vector<float> ones(n, 1.f);
+    at::Tensor out = at::empty(x.sizes(), x.options());
+    kernel(x.data_ptr<float>(), ids.data(), ones.data(), gate.data_ptr<float>(), up.data_ptr<float>(), down.data_ptr<float>(),
+           out.data_ptr<float>(), n, 1, 1, h, inter, at::get_num_threads());
+    return out;
+}
+
+at::Tensor dense_mlp_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+    return at::empty(x.sizes(), x.options());
+}
+
 at::Tensor routed_experts_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&) {
     return at::empty(x.sizes(), x.options());
 }
@@ -133,8 +159,15 @@ at::Tensor routed_experts_meta(const at::Tensor& x, const at::Tensor&, const at:
 
 TORCH_LIBRARY_FRAGMENT(compiled_mtp, m) {
     m.def("routed_experts(Tensor x, Tensor idx, Tensor weights, Tensor gate, Tensor up, Tensor down) -> Tensor");
+    m.def("dense_mlp(Tensor x, Tensor gate, Tensor up, Tensor down) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(compiled_mtp, CPU, m) { m.impl("routed_experts", routed_experts); }
-TORCH_LIBRARY_IMPL(compiled_mtp, Meta, m) { m.impl("routed_experts", routed_experts_meta); }
+TORCH_LIBRARY_IMPL(compiled_mtp, CPU, m) {
+    m.impl("routed_experts", routed_experts);
+    m.impl("dense_mlp", dense_mlp);
+}
+TORCH_LIBRARY_IMPL(compiled_mtp, Meta, m) {
+    m.impl("routed_experts", routed_experts_meta);
+    m.impl("dense_mlp", dense_mlp_meta);
+}
 
 }  // namespace compiled_mtp

@@ -1,0 +1,59 @@
+"""Each dense SwiGLU MLP on a few rows becomes `compiled_mtp::dense_mlp` (CPU float32).
+
+Traced, a dense MLP (`models.deepseek_v3.dense_mlp`) is three linears and the activation between
+them: on 2-4 rows, three calls of the few-row kernel (narrow_linear) and a kernel of Inductor's, each
+with its own start and its threads' barrier. The op does the MLP in one call (the routed-experts
+kernel with one expert every row takes at weight 1), reading gate and up together for all the rows,
+then down. The gains and the row range are measured in benchmarks/README.md.
+
+The MLP is found by provenance (region.py): one connected region per call, with the function's four
+inputs and one output; gate and up have the same shape, so the region and the op run on seeded probe
+inputs under each assignment the shapes allow, and the region is replaced only where exactly one
+agrees.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+from torch import fx
+
+from ..models.deepseek_v3 import dense_mlp
+from .region import Region, RegionPass, Unfusable, one_agreeing
+
+MIN_ROWS, MAX_ROWS = 2, 4
+
+
+class FuseDenseMLP(RegionPass):
+    traced = dense_mlp
+    op_name = "dense_mlp"
+    native = True
+    arity = (4, 1)
+
+    def settings(self) -> tuple:
+        return (MIN_ROWS, MAX_ROWS)
+
+    def roles(self, region: set[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]) -> tuple[list, list[fx.Node]]:
+        """(x, gate, up, down) -> out; gate and up told apart on probes."""
+        out = outputs[0].meta["val"]
+        rows = math.prod(out.shape[:-1])
+        if not MIN_ROWS <= rows <= MAX_ROWS:
+            raise Unfusable(f"{rows} row(s), outside [{MIN_ROWS}, {MAX_ROWS}]", expected=True)
+        candidates = [list(args) for args in itertools.permutations(inputs) if _fits(*(n.meta["val"] for n in args))]
+        return one_agreeing(inputs, outputs, candidates, self._agreement), outputs
+
+    def _agreement(self, region: Region, args: list[fx.Node]) -> float:
+        """1 if the op reproduces the region on seeded probes under `args`, else 0."""
+        gen = torch.Generator().manual_seed(0)
+        values = [torch.randn(n.meta["val"].shape, generator=gen) * (1.0 if i == 0 else 0.1) for i, n in enumerate(args)]
+        (expected,) = region(args, values)
+        return float(torch.allclose(self.op(*values), expected, rtol=1e-4, atol=1e-4))
+
+
+def _fits(x, gate, up, down) -> bool:
+    return (
+        gate.dim() == up.dim() == down.dim() == 2 and x.dim() >= 1 and gate.shape == up.shape
+        and gate.shape[1] == x.shape[-1] and tuple(down.shape) == (gate.shape[1], gate.shape[0])
+    )

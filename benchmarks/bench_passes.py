@@ -200,8 +200,9 @@ def draft_step_ms(model: torch.nn.Module, full: Runtime, args: argparse.Namespac
 def step_noise(k: int, batch: int, device: str) -> tuple[torch.Tensor, ...]:
     """A depth-k step's uniforms for draft_decode, target_verify and draft_extend, split as
     Runtime._decode splits them (the graphs guard their strides)."""
-    widths = step_plan(batch, k, (k,)).widths
-    return torch.zeros(batch, sum(widths), device=device).split(widths, dim=1)
+    plan = step_plan(batch, k, (k,))
+    noise = torch.zeros(batch, plan.uniforms, device=device)
+    return tuple(noise[:, columns] for columns in plan.columns)
 
 
 def verify_inputs(k: int, args: argparse.Namespace, batch: int = 1) -> tuple[torch.Tensor, ...]:

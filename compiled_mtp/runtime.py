@@ -380,14 +380,13 @@ class Runtime:
         if any(r.lag and (k > 0 or r.lag >= window) for r in reqs):
             self._catch_up(plan.catch_up, reqs, slots, lens)
         start = time.perf_counter()
-        # The step's uniforms per request, drawn at once and split among its graphs.
-        noise = self._noise(reqs, bucket, sum(plan.widths))
-        decode_noise, verify_noise, extend_noise = noise.split(plan.widths, dim=1)
+        noise = self._noise(reqs, bucket, plan.uniforms)  # drawn at once; each graph takes its columns
+        decode_cols, verify_cols, extend_cols = plan.columns
         if plan.draft_decode:
-            self.graphs(plan.draft_decode, slots, lens, decode_noise)
-        accepted, committed, hidden = self.graphs(plan.target_verify, slots, lens, verify_noise)
+            self.graphs(plan.draft_decode, slots, lens, noise[:, decode_cols])
+        accepted, committed, hidden = self.graphs(plan.target_verify, slots, lens, noise[:, verify_cols])
         if plan.draft_extend:
-            self.graphs(plan.draft_extend, slots, lens, accepted, committed, hidden, extend_noise)
+            self.graphs(plan.draft_extend, slots, lens, accepted, committed, hidden, noise[:, extend_cols])
         self._stats.steps += 1
         self._stats.depths[k] += 1
         accepted_l, committed_l = accepted.tolist(), committed.tolist()

@@ -9,6 +9,7 @@ runtime's call of it only.
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 from enum import Enum, member
 from typing import Any, Callable, NamedTuple, Sequence
@@ -82,10 +83,16 @@ class StepPlan:
         return tuple(key for key in (self.catch_up, self.draft_decode, self.target_verify, self.draft_extend) if key)
 
     @functools.cached_property
-    def widths(self) -> tuple[int, int, int]:
-        """Uniforms per request for draft_decode, target_verify and draft_extend (0: not run), which
-        the step draws at once."""
-        return tuple(key.uniforms if key else 0 for key in (self.draft_decode, self.target_verify, self.draft_extend))
+    def columns(self) -> tuple[slice, slice, slice]:
+        """Where draft_decode's, target_verify's and draft_extend's uniforms sit among the step's
+        (empty for a graph that does not run): a step draws each request's at once."""
+        widths = [key.uniforms if key else 0 for key in (self.draft_decode, self.target_verify, self.draft_extend)]
+        return tuple(slice(end - width, end) for width, end in zip(widths, itertools.accumulate(widths)))
+
+    @functools.cached_property
+    def uniforms(self) -> int:
+        """Uniforms per request the step draws (the catch-up draws its own)."""
+        return self.columns[-1].stop
 
 
 @functools.cache

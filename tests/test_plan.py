@@ -17,7 +17,7 @@ from compiled_mtp.graphs.plan import PREFILL, GraphKey, example_inputs, graph_ke
 from compiled_mtp.models.checkpoint import load_model
 
 CHUNK = 8
-PARAMS = SamplingParams(max_new_tokens=20, ignore_eos=True)  # outlives a step at each depth (at most 16 tokens)
+PARAMS = SamplingParams(max_new_tokens=16, ignore_eos=True)  # outlives a prefill and a step at each depth: 1 + 1 + 2 + 3 + 4 tokens at most
 
 
 @pytest.fixture(scope="module")

@@ -36,7 +36,7 @@ import json, sys, time
 start = time.perf_counter()
 import torch
 from compiled_mtp import Runtime
-from compiled_mtp.capture.compiler import example_inputs, graph_keys
+from compiled_mtp.graphs.plan import example_inputs
 from compiled_mtp.capture.profile import load_profile
 
 def rss():
@@ -46,7 +46,7 @@ imported = time.perf_counter()
 profile = load_profile(sys.argv[2])
 rt = Runtime.from_pretrained(sys.argv[1], **profile.runtime_options(), cache_dir=sys.argv[3])
 loaded, before = time.perf_counter(), rss()
-for key in graph_keys(profile.batch_sizes, profile.mtp_depths):
+for key in rt.graphs.keys:
     rt.graphs.prepare(key, example_inputs(key, rt.model, rt.prefill_chunk))
 ready = time.perf_counter()
 weights = sum(t.numel() * t.element_size() for t in rt.model.state_dict().values())

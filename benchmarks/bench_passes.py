@@ -54,6 +54,7 @@ from compiled_mtp import Runtime  # noqa: E402
 from compiled_mtp.bench import timed_generate  # noqa: E402
 from compiled_mtp.capture.compiler import own_code  # noqa: E402
 from compiled_mtp.graphs import steps  # noqa: E402
+from compiled_mtp.graphs.plan import GraphKey, GraphKind, step_plan  # noqa: E402
 from compiled_mtp.graphs.sampling import verify_sample  # noqa: E402
 from compiled_mtp.models.checkpoint import load_model  # noqa: E402
 from compiled_mtp.models.deepseek_v3 import Experts, Router  # noqa: E402
@@ -191,24 +192,28 @@ def draft_step_ms(model: torch.nn.Module, full: Runtime, args: argparse.Namespac
     vocab = model.cfg.vocab_size
     model.restrict_drafts(torch.arange(vocab // 4))
     restricted = Runtime(model, mtp_depth=3, batch_sizes=(1,), max_seq_len=short_capacity(args), prefill_chunk=args.prompt_len)
-    # The runtime's layout of a K=3 step's uniforms: 2 draft, 4 verify, 1 extend (strides are guarded).
-    inputs = verify_inputs(3, args)[:2] + (torch.zeros(1, 7, device=args.device)[:, :2],)
-    ms = paired_best_ms({name: (lambda rt=rt: rt.graphs(("draft_decode", 1, 3), *inputs)) for name, rt in (("full", full), ("restricted", restricted))}, args.runs * 3)
+    inputs = verify_inputs(3, args)[:2] + (step_noise(3, 1, args.device)[0],)
+    ms = paired_best_ms({name: (lambda rt=rt: rt.graphs(GraphKey(GraphKind.draft_decode, 1, 3), *inputs)) for name, rt in (("full", full), ("restricted", restricted))}, args.runs * 3)
     return {"full_vocab": vocab, "draft_vocab": vocab // 4, "full": ms["full"] / 2, "restricted": ms["restricted"] / 2}
 
 
+def step_noise(k: int, batch: int, device: str) -> tuple[torch.Tensor, ...]:
+    """A depth-k step's uniforms for draft_decode, target_verify and draft_extend, split as
+    Runtime._decode splits them (the graphs guard their strides)."""
+    plan = step_plan(batch, k, (k,))
+    noise = torch.zeros(batch, plan.uniforms, device=device)
+    return tuple(noise[:, columns] for columns in plan.columns)
+
+
 def verify_inputs(k: int, args: argparse.Namespace, batch: int = 1) -> tuple[torch.Tensor, ...]:
-    """target_verify's step tensors at depth k for requests in slots 0..batch-1, each prompt_len long,
-    with the step's uniforms as Runtime._decode lays them out (K - 1 draft, K + 1 verify, 1 extend)."""
-    decode_w = max(k - 1, 0)
-    noise = torch.zeros(batch, decode_w + k + 1 + (k > 0), device=args.device)[:, decode_w : decode_w + k + 1]
-    return torch.arange(batch, device=args.device), torch.full((batch,), args.prompt_len, device=args.device), noise
+    """target_verify's step tensors at depth k for requests in slots 0..batch-1, each prompt_len long."""
+    return torch.arange(batch, device=args.device), torch.full((batch,), args.prompt_len, device=args.device), step_noise(k, batch, args.device)[1]
 
 
 def verify_call(rt: Runtime, k: int, args: argparse.Namespace, batch: int = 1) -> Callable[[], object]:
     """One target_verify call at depth k."""
     inputs = verify_inputs(k, args, batch)
-    return lambda: rt.graphs(("target_verify", batch, k), *inputs)
+    return lambda: rt.graphs(GraphKey(GraphKind.target_verify, batch, k), *inputs)
 
 
 def paired_best_ms(calls: dict[object, Callable[[], object]], runs: int) -> dict[object, float]:

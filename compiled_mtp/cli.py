@@ -12,9 +12,10 @@ from pathlib import Path
 from . import bench
 from .capture.aot import environment
 from .capture.cache import GraphCache, user_cache
-from .capture.compiler import example_inputs, graph_keys, key_name, progress
+from .capture.compiler import progress
 from .capture.profile import DEFAULT_MODEL, PROFILES, Profile, ProfileError, load_profile
 from .depth_policy import depth_arg
+from .graphs.plan import example_inputs
 from .graphs.state import LAG_WINDOW
 from .models.config import CheckpointError, ModelConfig
 from .models.draft_vocab import token_ranking, write_ranking
@@ -251,7 +252,7 @@ def cmd_capture(args: argparse.Namespace) -> None:
         raise ValueError(f"cache_dir: {why}; capture stores graphs there")
     options = _engine_options(args, profile)
     rt = Runtime.from_pretrained(model, **options)
-    keys = graph_keys(profile.batch_sizes, profile.mtp_depths)
+    keys = rt.graphs.keys  # the profile's buckets and depths: every graph its runtime may call
     print(
         f"capturing {len(keys)} graphs of {model} into {rt.graphs.cache.root}\n"
         f"profile {args.profile}: {options['dtype']} on {options['device']}, batch buckets {list(profile.batch_sizes)}, "
@@ -260,7 +261,7 @@ def cmd_capture(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     for i, key in enumerate(keys, 1):
         bar = "#" * (20 * i // len(keys))
-        print(f"[{bar:<20}] {i}/{len(keys)} {key_name(key):<22}", end=" ", flush=True)
+        print(f"[{bar:<20}] {i}/{len(keys)} {key.name:<22}", end=" ", flush=True)
         graph_start, compiles = time.perf_counter(), rt.graphs.compiles
         rt.graphs.prepare(key, example_inputs(key, rt.model, rt.prefill_chunk))
         how = "built" if rt.graphs.compiles > compiles else "loaded"

@@ -1,8 +1,8 @@
 """Runtime: requests, batching, sampling parameters, stop rules and statistics.
 
 The runtime does no per-token tensor work: each decode step it builds three small integer/noise
-tensors (slots, sequence lengths, uniforms), replays the graphs of key (B, K) and reads back the
-accepted counts and committed tokens.
+tensors (slots, sequence lengths, uniforms), replays the graphs its step plan names for (B, K)
+(graphs/plan.py) and reads back the accepted counts and committed tokens.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from typing import Iterable, Sequence
 import torch
 
 from .capture.cache import user_cache
-from .capture.compiler import CompiledGraphs, graph_keys, key_name
+from .capture.compiler import CompiledGraphs
 from .capture.profile import DEFAULT_MODEL
 from .depth_policy import DepthPolicy
+from .graphs.plan import PREFILL, GraphKey, graph_keys, step_plan
 from .graphs.state import StaticState
 from .models.checkpoint import load_model
 from .models.draft_vocab import read_ranking
@@ -350,12 +351,12 @@ class Runtime:
         self.state.set_sampling(req.slot, p.temperature, p.top_k, p.top_p)
         prompt, c = req.out.prompt_token_ids, self.prefill_chunk
         padded = prompt + [0] * (-len(prompt) % c + 1)
-        noise = self._noise([req], 1, 2)
+        noise = self._noise([req], 1, PREFILL.uniforms)
         slot, n = self._tensor([req.slot]), self._tensor([len(prompt)])
         for start in range(0, len(prompt), c):
             tokens = self._tensor(padded[start : start + c])[None]
             following = self._tensor(padded[start + 1 : start + c + 1])[None]
-            first = self.graphs(("prefill", 1, 0), tokens, following, slot, self._tensor([start]), n, noise)
+            first = self.graphs(PREFILL, tokens, following, slot, self._tensor([start]), n, noise)
         req.seq_len = len(prompt)
         self._running[req.slot] = req
         return self._commit(req, [int(first)], depth=None, accepted=0)
@@ -370,23 +371,22 @@ class Runtime:
         b = len(reqs)
         bucket = next(s for s in self.buckets if s >= b)
         k = self._choose_depth(reqs, bucket)
+        plan = step_plan(bucket, k, self.depths)
         self.graphs.begin_step()
         pad = bucket - b
         slots = self._tensor([r.slot for r in reqs] + [self.state.scratch_slot] * pad)
         lens = self._tensor([r.seq_len for r in reqs] + [1] * pad)
         window = self.state.lag_window
         if any(r.lag and (k > 0 or r.lag >= window) for r in reqs):
-            self._catch_up(reqs, bucket, slots, lens)
+            self._catch_up(plan.catch_up, reqs, slots, lens)
         start = time.perf_counter()
-        # Uniforms per request: K - 1 draft steps, K accept tests + 1 final token, 1 next d_1.
-        decode_w = max(k - 1, 0)
-        noise = self._noise(reqs, bucket, decode_w + k + 1 + (k > 0))
-        if k >= 2:
-            self.graphs(("draft_decode", bucket, k), slots, lens, noise[:, :decode_w])
-        verify_noise = noise[:, decode_w : decode_w + k + 1]
-        accepted, committed, hidden = self.graphs(("target_verify", bucket, k), slots, lens, verify_noise)
-        if k >= 1:
-            self.graphs(("draft_extend", bucket, k), slots, lens, accepted, committed, hidden, noise[:, -1:])
+        noise = self._noise(reqs, bucket, plan.uniforms)  # drawn at once; each graph takes its columns
+        decode_cols, verify_cols, extend_cols = plan.columns
+        if plan.draft_decode:
+            self.graphs(plan.draft_decode, slots, lens, noise[:, decode_cols])
+        accepted, committed, hidden = self.graphs(plan.target_verify, slots, lens, noise[:, verify_cols])
+        if plan.draft_extend:
+            self.graphs(plan.draft_extend, slots, lens, accepted, committed, hidden, noise[:, extend_cols])
         self._stats.steps += 1
         self._stats.depths[k] += 1
         accepted_l, committed_l = accepted.tolist(), committed.tolist()
@@ -396,16 +396,16 @@ class Runtime:
         self._policy.record_cost(bucket, k, time.perf_counter() - start)
         return outputs
 
-    def _catch_up(self, reqs: list[_Request], bucket: int, slots: torch.Tensor, lens: torch.Tensor) -> None:
+    def _catch_up(self, key: GraphKey, reqs: list[_Request], slots: torch.Tensor, lens: torch.Tensor) -> None:
         """M over the positions depth-0 steps left it behind on, and fresh d_1 drafts."""
-        window = self.state.lag_window
+        window, bucket = self.state.lag_window, key.batch
         tokens = []
         for r in reqs:
             tail = (r.out.prompt_token_ids + r.out.token_ids)[-window:]
             tokens.append([0] * (window - len(tail)) + tail)
         tokens += [[0] * window] * (bucket - len(reqs))
         lags = self._tensor([r.lag for r in reqs] + [0] * (bucket - len(reqs)))
-        self.graphs(("mtp_catch_up", bucket, 0), slots, lens, lags, self._tensor(itertools.chain.from_iterable(tokens)).view(bucket, window), self._noise(reqs, bucket, 1))
+        self.graphs(key, slots, lens, lags, self._tensor(itertools.chain.from_iterable(tokens)).view(bucket, window), self._noise(reqs, bucket, key.uniforms))
         for r in reqs:
             r.lag = 0
 
@@ -463,7 +463,7 @@ class Runtime:
             "host_seconds_per_step": s.host_seconds / s.steps if s.steps else 0.0,
             "graph_seconds": self.graphs.seconds,
             "depth_histogram": dict(sorted(s.depths.items())),
-            "graph_replays": {key_name(k): n for k, n in self.graphs.replays.items()},
+            "graph_replays": {key.name: n for key, n in self.graphs.replays.items()},
             "compiles": self.graphs.compiles,
             "recompiles": self.graphs.recompiles,
         }

@@ -24,8 +24,8 @@ from compiled_mtp import Runtime, SamplingParams
 from compiled_mtp.capture import aot
 from compiled_mtp.capture.aot import environment
 from compiled_mtp.capture.cache import GraphCache
-from compiled_mtp.capture.compiler import example_inputs, graph_keys
 from compiled_mtp.capture.profile import PROFILES, ProfileError, load_profile
+from compiled_mtp.graphs.plan import GraphKey, GraphKind, example_inputs, graph_keys
 from compiled_mtp.graphs.state import StaticState
 from compiled_mtp.models.checkpoint import load_model
 from compiled_mtp.passes.manager import inductor_options
@@ -110,7 +110,7 @@ def test_shipped_profiles_load():
     default = load_profile(PROFILES / "default-cpu.toml")
     assert default.device == "cpu" and default.model == ROOT / "compiled_mtp" / "default_model"
     tiny = load_profile(PROFILE)
-    assert graph_keys(tiny.batch_sizes, tiny.mtp_depths) == [("prefill", 1, 0), ("draft_decode", 1, 2), ("target_verify", 1, 2), ("draft_extend", 1, 2)]
+    assert [key.name for key in graph_keys(tiny.batch_sizes, tiny.mtp_depths)] == ["prefill/B1/K0", "draft_decode/B1/K2", "target_verify/B1/K2", "draft_extend/B1/K2"]
 
 
 @pytest.mark.parametrize(
@@ -151,10 +151,10 @@ def test_invalid_toml_is_one_line(tmp_path):
 # ----------------------------------------------------------------------------- keys
 
 
-def _key(model_dir: Path, key=("target_verify", 1, 2), max_seq_len=64, slots=1, depth=2, chunk=8, passes=None, dtype=torch.float32):
+def _key(model_dir: Path, key=GraphKey(GraphKind.target_verify, 1, 2), max_seq_len=64, slots=1, depth=2, chunk=8, passes=None, dtype=torch.float32):
     model = load_model(model_dir, dtype=dtype)
     state = StaticState(model, slots, max_seq_len, depth)
-    return aot.artifact_key(*key, model, state, example_inputs(key, model, chunk), inductor_options(passes))
+    return aot.artifact_key(key, model, state, example_inputs(key, model, chunk), inductor_options(passes))
 
 
 def test_key_covers_the_code_not_the_checkpoint(checkpoints, tmp_path):
@@ -163,9 +163,10 @@ def test_key_covers_the_code_not_the_checkpoint(checkpoints, tmp_path):
     base = _key(one)
     assert _key(two) == base  # other weights, other path: same artifact
     assert base["torch"] == torch.__version__ and base["target"].startswith("cpu ")
+    assert cache.package(base).name.startswith("target_verify-B1-K2-")  # the file names caches already hold
     variants = [
-        _key(one, key=("target_verify", 1, 1)),
-        _key(one, key=("target_verify", 2, 2), slots=2),
+        _key(one, key=GraphKey(GraphKind.target_verify, 1, 1)),
+        _key(one, key=GraphKey(GraphKind.target_verify, 2, 2), slots=2),
         _key(one, slots=2),  # slots = the largest bucket: the state's shape
         _key(one, max_seq_len=32),
         _key(one, depth=3),
@@ -173,8 +174,8 @@ def test_key_covers_the_code_not_the_checkpoint(checkpoints, tmp_path):
     ]
     stems = {cache.stem(k) for k in variants}
     assert len(stems) == len(variants) and cache.stem(base) not in stems
-    prefill = _key(one, key=("prefill", 1, 0))
-    assert cache.stem(_key(one, key=("prefill", 1, 0), chunk=16)) != cache.stem(prefill)
+    prefill = _key(one, key=GraphKey(GraphKind.prefill, 1, 0))
+    assert cache.stem(_key(one, key=GraphKey(GraphKind.prefill, 1, 0), chunk=16)) != cache.stem(prefill)
     # Another torch version: same file, found stale rather than missing.
     assert cache.stem({**base, "torch": "0.0"}) == cache.stem(base)
     other_config = write_echo_checkpoint(tmp_path / "wide", hidden=64, seed=1)

@@ -15,6 +15,7 @@ import torch
 from torch._inductor.graph import GraphLowering
 
 from compiled_mtp import Runtime, SamplingParams
+from compiled_mtp.graphs.plan import GraphKey, GraphKind
 from compiled_mtp.models.checkpoint import load_model
 from compiled_mtp.passes import narrow_linear, packed_linear
 from compiled_mtp.reference import reference_generate
@@ -85,7 +86,7 @@ def test_step_tensor_unlike_the_traced_one_fails_loudly(noisy_echo, change):
     its key traced raises instead of running the graph."""
     rt = Runtime(noisy_echo, mtp_depth=1, batch_sizes=(1,), max_seq_len=48, compile_backend="aot_eager", prefill_chunk=8)
     rt.generate(_prompts(1), PARAMS)
-    key = ("target_verify", 1, 1)
+    key = GraphKey(GraphKind.target_verify, 1, 1)
     assert rt.graphs.replays[key] > 0
     slot = torch.tensor([rt.state.scratch_slot])
     noise = torch.zeros(1, 3) if change == "width" else torch.zeros(1, 2, dtype=torch.float64)
@@ -119,7 +120,7 @@ def test_inductor_graphs_equal_the_reference(tmp_path, monkeypatch):
             for out in rt.step():
                 got[out.request_id] += out.new_token_ids
         assert list(got.values()) == _expected(model, prompts)
-    assert rt.graphs.replays[("mtp_catch_up", 2, 0)] >= 1
+    assert rt.graphs.replays[GraphKey(GraphKind.mtp_catch_up, 2, 0)] >= 1
     _assert_state_written_in_place(rt, codes)
     sampled = [
         SamplingParams(max_new_tokens=10, temperature=t, top_k=tk, top_p=tp, seed=s, ignore_eos=True)
@@ -138,7 +139,7 @@ def _assert_state_written_in_place(rt: Runtime, codes: list[str]) -> None:
     where a graph wrote it through a view)."""
     caches = {size for cache in (rt.state.target_cache, rt.state.mtp_cache) for size in (cache.numel(), cache[0].numel())}
     # Every kind ran: prefill, draft_decode, target_verify and draft_extend at K=2, target_verify at K=0, mtp_catch_up.
-    assert {key[0] for key in rt.graphs.replays} == {"prefill", "draft_decode", "target_verify", "draft_extend", "mtp_catch_up"}
+    assert {key.kind for key in rt.graphs.replays} == set(GraphKind)
     assert len(codes) == len(rt.graphs.replays)  # every graph's code, compiled or loaded
     for code in codes:
         shapes = [tuple(map(int, re.findall(r"\d+", dims))) for dims in re.findall(r"empty_strided_\w+\(\(([\d, ]*)\)", code)]

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from compiled_mtp import Runtime, SamplingParams
-from compiled_mtp.capture.compiler import example_inputs
 from compiled_mtp.capture.post_grad import post_grad_graphs
+from compiled_mtp.graphs.plan import GraphKey, GraphKind, example_inputs
 from compiled_mtp.graphs.state import StaticState
 from compiled_mtp.models.checkpoint import load_model
 from compiled_mtp.passes import fuse_verify_sampling
@@ -48,7 +48,8 @@ def test_verify_sampling_is_fused_on_cuda_only_when_asked(checkpoint, monkeypatc
     monkeypatch.setattr(fuse_verify_sampling, "FUSE_ON_CUDA", fuse)
     model = load_model(checkpoint, device="cuda")
     state = StaticState(model, num_slots=3, max_seq_len=32, max_depth=2)
-    _, after = post_grad_graphs("target_verify", model, state, example_inputs(("target_verify", 2, 2), model, 8), ("fuse_verify_sampling",))
+    key = GraphKey(GraphKind.target_verify, 2, 2)
+    _, after = post_grad_graphs(key.kind, model, state, example_inputs(key, model, 8), ("fuse_verify_sampling",))
     fused = [n for n in after.graph.nodes if n.target is fuse_verify_sampling.FuseVerifySampling.op]
     assert len(fused) == fuse and all(n.args[0].meta["val"].is_cuda for n in fused)
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from compiled_mtp import Runtime, SamplingParams
+from compiled_mtp.graphs.plan import GraphKey, GraphKind
 from compiled_mtp.models.checkpoint import load_model
 from compiled_mtp.passes import narrow_linear, packed_linear
 from compiled_mtp.reference import reference_generate
@@ -53,7 +54,7 @@ def test_padded_row_touches_no_live_or_free_slot(compiled):
         outputs += rt.step()
     for name, buf in state.named_buffers():
         assert torch.equal(buf.select(1 if name.endswith("cache") else 0, free), before[name]), name
-    assert rt.graphs.replays[("target_verify", 4, 3)] > 0
+    assert rt.graphs.replays[GraphKey(GraphKind.target_verify, 4, 3)] > 0
     finished = {o.request_id: o.output for o in outputs if o.finished}
     refs = [reference_generate(model, [p], n, 3)[0] for p, n in zip(prompts, max_new)]
     assert [finished[i].token_ids for i in ids] == [r.token_ids for r in refs]
@@ -69,6 +70,6 @@ def test_seeded_request_alone_and_in_a_full_batch(compiled):
     alone = rt.generate([prompt], params)[0]
     others = [SamplingParams(max_new_tokens=n, temperature=t, seed=s, ignore_eos=True) for n, t, s in [(20, 1.0, 1), (20, 0.0, None), (20, 0.5, 7)]]
     batched = rt.generate([[1, 2, 3], prompt, [9] * 7, [4, 4]], [others[0], params, *others[1:]])[1]
-    assert rt.graphs.replays[("target_verify", 1, 3)] > 0 and rt.graphs.replays[("target_verify", 4, 3)] > 0
+    assert rt.graphs.replays[GraphKey(GraphKind.target_verify, 1, 3)] > 0 and rt.graphs.replays[GraphKey(GraphKind.target_verify, 4, 3)] > 0
     assert batched.token_ids == alone.token_ids
     assert batched.accepted_per_step == alone.accepted_per_step

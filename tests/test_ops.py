@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from compiled_mtp.capture.compiler import CompiledGraphs
 from compiled_mtp.capture.post_grad import post_grad_graphs
-from compiled_mtp.capture.compiler import example_inputs
+from compiled_mtp.graphs.plan import GraphKey, GraphKind, example_inputs
 from compiled_mtp.graphs.state import StaticState
 from compiled_mtp.models.checkpoint import load_model
 from compiled_mtp.models.deepseek_v3 import dense_mlp, gathered_experts, latent_attention
@@ -150,7 +150,8 @@ def test_without_the_library_every_region_stays_as_traced(tiny_checkpoint, unbui
     state = StaticState(model, num_slots=2, max_seq_len=16, max_depth=2)
     monkeypatch.setattr(narrow_linear, "KERNEL_WEIGHT", 0)
     with caplog.at_level("INFO", logger="compiled_mtp.passes"):
-        _, after = post_grad_graphs("target_verify", model, state, example_inputs(("target_verify", 2, 2), model, prefill_chunk=8), available())
+        key = GraphKey(GraphKind.target_verify, 2, 2)
+        _, after = post_grad_graphs(key.kind, model, state, example_inputs(key, model, prefill_chunk=8), available())
     native = {ops.few_row_linear.default, ops.live_attention.default, ops.routed_experts.default, ops.dense_mlp.default}
     assert not [n for n in after.graph.nodes if n.target in native]
     for name in ("live_attention", "group_experts", "fuse_dense_mlp"):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from compiled_mtp.capture.compiler import example_inputs
+from compiled_mtp.graphs.plan import GraphKey, GraphKind, example_inputs
 from compiled_mtp.graphs.state import StaticState
 from compiled_mtp.models.checkpoint import load_model
 from compiled_mtp.models.deepseek_v3 import Linear
@@ -51,7 +51,8 @@ def _replace_op(monkeypatch, name, op):
 
 
 def _graphs(kind, b, k, model, state, passes):
-    return post_grad_graphs(kind, model, state, example_inputs((kind, b, k), model, prefill_chunk=8), passes)
+    key = GraphKey(GraphKind[kind], b, k)
+    return post_grad_graphs(key.kind, model, state, example_inputs(key, model, prefill_chunk=8), passes)
 
 
 def _randomize(state, model, seed):

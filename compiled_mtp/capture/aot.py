@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.export.pt2_archive._package import AOTICompiledModel
 
-from ..graphs import steps
+from ..graphs.plan import GraphKey, GraphKind
 from ..graphs.state import StaticState
 from ..models.deepseek_v3 import DeepseekV3
 from ..passes.fold_key_constants import PREFIX as FOLDED_PREFIX, folded_name, folded_value
@@ -54,32 +54,32 @@ class ArtifactError(RuntimeError):
 class StepModule(nn.Module):
     """One step function as a module: the model and the state become its parameters and buffers."""
 
-    def __init__(self, kind: str, model: DeepseekV3, state: StaticState) -> None:
+    def __init__(self, kind: GraphKind, model: DeepseekV3, state: StaticState) -> None:
         super().__init__()
         self.kind = kind
         self.model = model
         self.state = state
 
     def forward(self, *inputs: Tensor) -> Any:
-        return getattr(steps, self.kind)(self.model, self.state, *inputs)
+        return self.kind.step(self.model, self.state, *inputs)
 
 
 def constants(model: DeepseekV3, state: StaticState) -> dict[str, Tensor]:
-    """Every tensor a step graph may hold as a constant, by its name inside StepModule."""
-    module = StepModule("", model, state)
+    """Every tensor a step graph may hold as a constant, by its name inside StepModule (any kind's)."""
+    module = StepModule(GraphKind.prefill, model, state)
     named = list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False))
     return {name: tensor.detach() for name, tensor in named}
 
 
-def artifact_key(kind: str, batch: int, depth: int, model: DeepseekV3, state: StaticState, inputs: tuple[Tensor, ...], options: dict[str, Any]) -> dict[str, Any]:
+def artifact_key(key: GraphKey, model: DeepseekV3, state: StaticState, inputs: tuple[Tensor, ...], options: dict[str, Any]) -> dict[str, Any]:
     """Everything that changes a graph's code, as JSON. Not in it: the checkpoint's path and weight
     values. `prefill_chunk` enters through the inputs' shapes."""
     config = asdict(model.cfg)
     del config["eos_token_ids"]  # stop rules run on the host
     return {
-        "kind": kind,
-        "batch": batch,
-        "depth": depth,
+        "kind": key.kind.name,
+        "batch": key.batch,
+        "depth": key.depth,
         "inputs": [[list(t.shape), str(t.dtype).removeprefix("torch.")] for t in inputs],
         "model_config": config,
         "dtype": str(model.lm_head.weight.dtype).removeprefix("torch."),
@@ -139,7 +139,7 @@ def _layout_digest(tensors: dict[str, Tensor]) -> str:
     return hashlib.sha256(layout.encode()).hexdigest()[:16]
 
 
-def build(kind: str, model: DeepseekV3, state: StaticState, inputs: tuple[Tensor, ...], package: Path, options: dict[str, Any]) -> None:
+def build(kind: GraphKind, model: DeepseekV3, state: StaticState, inputs: tuple[Tensor, ...], package: Path, options: dict[str, Any]) -> None:
     """Export the step with `inputs` as example step tensors and compile it into `package` (.pt2).
 
     The live tensors are only traced with fake copies, so building leaves the model and state as they were."""
@@ -154,12 +154,12 @@ def build(kind: str, model: DeepseekV3, state: StaticState, inputs: tuple[Tensor
     baked = _used_constants(ep) - set(constant_names)
     if baked:
         raise ArtifactError(
-            f"{kind}: the compiled code holds a copy of {sorted(baked)[0]!r} instead of reading it, so it would "
+            f"{kind.name}: the compiled code holds a copy of {sorted(baked)[0]!r} instead of reading it, so it would "
             "not follow other checkpoints' weights or the runtime's state (a pass folding constants?)"
         )
 
 
-def export_step(kind: str, model: DeepseekV3, state: StaticState, inputs: tuple[Tensor, ...]) -> torch.export.ExportedProgram:
+def export_step(kind: GraphKind, model: DeepseekV3, state: StaticState, inputs: tuple[Tensor, ...]) -> torch.export.ExportedProgram:
     # strict: Dynamo's trace keeps each node's full source stack, which the fusion pass reads
     return torch.export.export(StepModule(kind, model, state), tuple(inputs), strict=True)
 

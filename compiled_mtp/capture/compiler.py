@@ -1,4 +1,5 @@
-"""Turns a graph key (kind, B, K) into a compiled callable, once, and replays it.
+"""Turns a graph key (kind, B, K) into a compiled callable, once, and replays it. Which keys a runtime
+calls, and with which step tensors, is the step plan's (graphs/plan.py).
 
 Without a capture cache, each key is a torch.compile'd function. Dynamo caches compiled code per code
 object and stops recompiling after 8 entries, so graphs built from one Python function would evict
@@ -22,8 +23,8 @@ from typing import Callable
 
 import torch
 
-from ..graphs import steps
-from ..graphs.state import LAG_WINDOW, StaticState
+from ..graphs.plan import GraphKey
+from ..graphs.state import StaticState
 from ..models.deepseek_v3 import DeepseekV3
 from ..passes.manager import inductor_options
 from . import aot
@@ -32,7 +33,6 @@ from .cache import MISSING, GraphCache
 # "eager" runs the step functions uncompiled; "aot_eager" traces them like "inductor" (same graphs,
 # guards and recompile rules) but skips code generation, for fast tests of the compiled path.
 BACKENDS = ("inductor", "aot_eager", "eager")
-GraphKey = tuple[str, int, int]
 log = logging.getLogger("compiled_mtp.capture")
 # Graph builds take tens of seconds each: say which graph is being built, how long it took and how
 # many are still to come, on stderr by default. Opt out: logging.getLogger("compiled_mtp.progress").setLevel(logging.WARNING).
@@ -47,47 +47,6 @@ if not progress.handlers:
 
 def _compiled_frames() -> int:
     return torch._dynamo.utils.counters["frames"]["ok"]
-
-
-def key_name(key: GraphKey) -> str:
-    kind, b, k = key
-    return f"{kind}/B{b}/K{k}"
-
-
-def graph_keys(batch_sizes: tuple[int, ...], depths: tuple[int, ...]) -> list[GraphKey]:
-    """The keys a runtime with these buckets and depths calls: prefill, then per bucket and depth
-    draft_decode (K >= 2), target_verify and draft_extend (K >= 1), as Runtime._decode runs them, and
-    mtp_catch_up where depth 0 and speculation share a runtime."""
-    keys: list[GraphKey] = [("prefill", 1, 0)]
-    for b in batch_sizes:
-        for k in depths:
-            keys += [("draft_decode", b, k)] * (k >= 2) + [("target_verify", b, k)] + [("draft_extend", b, k)] * (k >= 1)
-        keys += [("mtp_catch_up", b, 0)] * (0 in depths and max(depths) > 0)
-    return keys
-
-
-def example_inputs(key: GraphKey, model: DeepseekV3, prefill_chunk: int) -> tuple[torch.Tensor, ...]:
-    """Step tensors with the shapes and dtypes Runtime._prefill and Runtime._decode pass for `key`
-    (values do not matter: export traces shapes)."""
-    kind, b, k = key
-    device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
-
-    def ids(*shape: int) -> torch.Tensor:
-        return torch.zeros(shape, dtype=torch.long, device=device)
-
-    def noise(width: int) -> torch.Tensor:
-        return torch.zeros(b, width, device=device)
-
-    if kind == "prefill":
-        return ids(1, prefill_chunk), ids(1, prefill_chunk), ids(1), ids(1), ids(1), noise(2)
-    if kind == "draft_decode":
-        return ids(b), ids(b), noise(k - 1)
-    if kind == "target_verify":
-        return ids(b), ids(b), noise(k + 1)
-    if kind == "mtp_catch_up":
-        return ids(b), ids(b), ids(b), ids(b, LAG_WINDOW), noise(1)
-    hidden = torch.zeros(b, k + 1, model.cfg.hidden_size, dtype=dtype, device=device)
-    return ids(b), ids(b), ids(b), ids(b, k + 1), hidden, noise(1)
 
 
 def own_code(fn: Callable, name: str) -> Callable:
@@ -160,7 +119,7 @@ class CompiledGraphs:
             out = self.prepare(key, inputs)(*inputs)
             if self.compiles > compiles:
                 left = len(set(self.keys) - set(self._graphs))
-                progress.info("built %s in %.1f s; %d of %d graphs left", key_name(key), time.perf_counter() - start, left, len(self.keys))
+                progress.info("built %s in %.1f s; %d of %d graphs left", key.name, time.perf_counter() - start, left, len(self.keys))
         else:
             frames = _compiled_frames()
             with torch.compiler.set_stance("fail_on_recompile"):
@@ -181,14 +140,13 @@ class CompiledGraphs:
 
     def _building(self, key: GraphKey) -> None:
         where = f"into {self.cache.root}" if self.cache else "in this process"
-        progress.info("building %s %s (%d of %d graphs ready)", key_name(key), where, len(self._graphs), len(self.keys))
+        progress.info("building %s %s (%d of %d graphs ready)", key.name, where, len(self._graphs), len(self.keys))
 
     def _build(self, key: GraphKey) -> Callable:
-        step = getattr(steps, key[0])
         if self.backend == "eager":
-            return functools.partial(step, self.model, self.state)
+            return functools.partial(key.kind.step, self.model, self.state)
         self.compiles += 1  # torch.compile compiles on the first call, which follows at once
-        fn = own_code(step, key_name(key).replace("/", "_"))
+        fn = own_code(key.kind.step, key.name.replace("/", "_"))
         # The model and the static state are built once and then only written in place (packed_linear
         # packs copies of the weights; a cached package holds no guards at all), so Dynamo's guards on
         # their modules only cost time: 0.3 ms of a 2.0-2.3 ms verify of the shipped model. The guards
@@ -204,8 +162,7 @@ class CompiledGraphs:
     def _cached(self, key: GraphKey, inputs: tuple[torch.Tensor, ...]) -> Callable:
         """Load the key's package; build and store it first when it is missing or unusable. A bad
         package costs a rebuild and one log line, never a crash or a wrong graph."""
-        kind, b, k = key
-        akey = aot.artifact_key(kind, b, k, self.model, self.state, inputs, self.inductor_options)
+        akey = aot.artifact_key(key, self.model, self.state, inputs, self.inductor_options)
         with self.cache.locked(akey):  # another process may be building this key: wait for it
             problem = self.cache.problem(akey)
             if problem is None:
@@ -217,9 +174,9 @@ class CompiledGraphs:
                     self.loads += 1
                     return graph
             if problem != MISSING:
-                log.warning("capture cache: %s at %s is %s; rebuilding it", key_name(key), self.cache.package(akey), problem)
+                log.warning("capture cache: %s at %s is %s; rebuilding it", key.name, self.cache.package(akey), problem)
             self._building(key)
-            build = functools.partial(aot.build, kind, self.model, self.state, inputs, options=self.inductor_options)
-            self.cache.store(akey, build, key_name(key))
+            build = functools.partial(aot.build, key.kind, self.model, self.state, inputs, options=self.inductor_options)
+            self.cache.store(akey, build, key.name)
             self.compiles += 1
             return aot.load(self.cache.package(akey), self.model, self.state)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from . import bench
+from .capture import parallel
 from .capture.aot import environment
 from .capture.cache import GraphCache, user_cache
 from .capture.compiler import progress
@@ -206,6 +207,11 @@ def cmd_demo(args: argparse.Namespace) -> None:
     print(f"model: {profile.model} (DeepSeek-V3 architecture, {rt.model.cfg.num_hidden_layers} layers + 1 MTP layer)")
     if rt.graphs.cache:
         print(f"capture cache: {rt.graphs.cache.root} (the first run builds the graphs, later runs load them)")
+    start = time.perf_counter()
+    with parallel.helpers(rt, profile.model, options) as started:
+        parallel.ready(rt)
+    beside = f", with {started} helper process{'es' * (started > 1)} building beside this one" if started else ""
+    print(f"graphs ready in {time.perf_counter() - start:.1f} s ({rt.graphs.compiles} built here, {rt.graphs.loads} loaded from the cache{beside})")
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     for depth in (0, 3, "auto"):  # auto chooses between the other two's graphs, step by step
         rt.mtp_depth = depth
@@ -250,6 +256,8 @@ def cmd_capture(args: argparse.Namespace) -> None:
     why = GraphCache(args.cache_dir).unwritable()
     if why:
         raise ValueError(f"cache_dir: {why}; capture stores graphs there")
+    if args.processes < 1:
+        raise ValueError(f"processes: must be at least 1, got {args.processes}")
     options = _engine_options(args, profile)
     rt = Runtime.from_pretrained(model, **options)
     keys = rt.graphs.keys  # the profile's buckets and depths: every graph its runtime may call
@@ -259,16 +267,18 @@ def cmd_capture(args: argparse.Namespace) -> None:
         f"MTP depths {list(profile.mtp_depths)}, max_seq_len {options['max_seq_len']}, prefill chunk {profile.prefill_chunk}"
     )
     start = time.perf_counter()
-    for i, key in enumerate(keys, 1):
-        bar = "#" * (20 * i // len(keys))
-        print(f"[{bar:<20}] {i}/{len(keys)} {key.name:<22}", end=" ", flush=True)
-        graph_start, compiles = time.perf_counter(), rt.graphs.compiles
-        rt.graphs.prepare(key, example_inputs(key, rt.model, rt.prefill_chunk))
-        how = "built" if rt.graphs.compiles > compiles else "loaded"
-        print(f"{how} in {time.perf_counter() - graph_start:.1f} s", flush=True)
+    with parallel.helpers(rt, model, options, args.processes) as started:
+        for i, key in enumerate(keys, 1):
+            bar = "#" * (20 * i // len(keys))
+            print(f"[{bar:<20}] {i}/{len(keys)} {key.name:<22}", end=" ", flush=True)
+            graph_start, compiles = time.perf_counter(), rt.graphs.compiles
+            rt.graphs.prepare(key, example_inputs(key, rt.model, rt.prefill_chunk))
+            how = "built" if rt.graphs.compiles > compiles else "loaded"
+            print(f"{how} in {time.perf_counter() - graph_start:.1f} s", flush=True)
     built, held = rt.graphs.compiles, GraphCache(rt.graphs.cache.root).artifacts(environment)
+    beside = f" ({started} helper process{'es' * (started > 1)} built beside this one)" if started else ""
     print(
-        f"done in {time.perf_counter() - start:.1f} s: {built} built, {len(keys) - built} already in the cache; "
+        f"done in {time.perf_counter() - start:.1f} s: {built} built here, {len(keys) - built} loaded{beside}; "
         f"it holds {len(held)} graphs, {_size(sum(a.size for a in held))} (list them: compiled-mtp inspect --cache-dir {rt.graphs.cache.root})"
     )
 
@@ -363,6 +373,10 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("capture", help="pre-build every graph of a capture profile into a cache")
     c.add_argument("--profile", required=True, type=Path, help="e.g. profiles/default-cpu.toml")
     c.add_argument("--model", type=Path, help="checkpoint directory (default: the profile's model)")
+    c.add_argument(
+        "--processes", type=int, default=os.cpu_count() or 1, metavar="N",
+        help="build in up to N processes at once, each a graph at a time (default: one per core)",
+    )
     _add_engine_options(c, backend=False)
     _add_cache_option(c)
     c.set_defaults(func=cmd_capture)

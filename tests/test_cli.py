@@ -254,6 +254,7 @@ def test_demo_runs_every_depth_and_prints_the_greedy_text(capsys):
 
     main(["demo", "--backend", "eager", "--no-cache", "--max-new-tokens", "4"])
     out = capsys.readouterr().out
+    assert re.search(r"^graphs ready in [\d.]+ s \(0 built here, 0 loaded from the cache\)$", out, re.M), out
     for depth in ("0", "3", "auto"):
         assert re.search(rf"^  K={depth}: graphs ready in [\d.]+ s \(0 compiled, 0 loaded from the cache\)$", out, re.M), out
         assert re.search(rf"^  K={depth}.*: 4 tokens in [\d.]+ s \([\d.]+ tok/s\), acceptance length", out, re.M), out

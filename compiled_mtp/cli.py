@@ -208,8 +208,9 @@ def cmd_demo(args: argparse.Namespace) -> None:
     if rt.graphs.cache:
         print(f"capture cache: {rt.graphs.cache.root} (the first run builds the graphs, later runs load them)")
     start = time.perf_counter()
-    with parallel.helpers(rt, profile.model, options) as started:
-        parallel.ready(rt)
+    keys = [key for key in rt.graphs.keys if key.batch == 1]  # the demo's one request at a time
+    with parallel.helpers(rt, profile.model, options, keys) as started:
+        parallel.ready(rt, keys)
     beside = f", with {started} helper process{'es' * (started > 1)} building beside this one" if started else ""
     print(f"graphs ready in {time.perf_counter() - start:.1f} s ({rt.graphs.compiles} built here, {rt.graphs.loads} loaded from the cache{beside})")
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
@@ -267,7 +268,7 @@ def cmd_capture(args: argparse.Namespace) -> None:
         f"MTP depths {list(profile.mtp_depths)}, max_seq_len {options['max_seq_len']}, prefill chunk {profile.prefill_chunk}"
     )
     start = time.perf_counter()
-    with parallel.helpers(rt, model, options, args.processes) as started:
+    with parallel.helpers(rt, model, options, keys, args.processes) as started:
         for i, key in enumerate(keys, 1):
             bar = "#" * (20 * i // len(keys))
             print(f"[{bar:<20}] {i}/{len(keys)} {key.name:<22}", end=" ", flush=True)

@@ -27,12 +27,11 @@ from . import aot
 HELPER_TIMEOUT = 60.0  # seconds to wait for a helper once the runtime's own pass is done
 
 
-def missing(rt: Any) -> list[GraphKey]:
-    """The runtime's keys whose packages its capture cache lacks or cannot use."""
-    graphs = rt.graphs
-    if graphs.cache is None:
+def missing(rt: Any, keys: list[GraphKey]) -> list[GraphKey]:
+    """Those of `keys` whose packages the runtime's capture cache lacks or cannot use."""
+    if rt.graphs.cache is None:
         return []
-    return [key for key in graphs.keys if graphs.cache.problem(_artifact(rt, key)) is not None]
+    return [key for key in keys if rt.graphs.cache.problem(_artifact(rt, key)) is not None]
 
 
 def _artifact(rt: Any, key: GraphKey) -> dict[str, Any]:
@@ -41,16 +40,16 @@ def _artifact(rt: Any, key: GraphKey) -> dict[str, Any]:
 
 
 @contextmanager
-def helpers(rt: Any, model: str | Path, options: dict[str, Any], processes: int | None = None) -> Iterator[int]:
-    """While the block readies `rt`'s graphs, helper processes (up to `processes` in all, by default
-    one per core) build those its cache lacks, from the other end of the list. Yields the number of
-    helpers started (0 without a cache, a spare core, or two graphs to build)."""
-    count = min((processes or os.cpu_count() or 1) - 1, len(missing(rt)) - 1)
+def helpers(rt: Any, model: str | Path, options: dict[str, Any], keys: list[GraphKey], processes: int | None = None) -> Iterator[int]:
+    """While the block readies `keys` of `rt`, helper processes (up to `processes` in all, by default
+    one per core) build those its cache lacks, each from its own point in the list. Yields the number
+    of helpers started (0 without a cache, a spare core, or two graphs to build)."""
+    count = min((processes or os.cpu_count() or 1) - 1, len(missing(rt, keys)) - 1)
     started = []
     with tempfile.TemporaryDirectory() as folder:
         for i in range(1, count + 1):
             spec = Path(folder) / f"helper{i}.pickle"
-            spec.write_bytes(pickle.dumps((str(model), options, i, count + 1)))
+            spec.write_bytes(pickle.dumps((str(model), options, keys, i, count + 1)))
             started.append(subprocess.Popen([sys.executable, "-m", __name__, str(spec)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         try:
             yield len(started)
@@ -62,21 +61,20 @@ def helpers(rt: Any, model: str | Path, options: dict[str, Any], processes: int 
                     helper.kill()
 
 
-def ready(rt: Any) -> None:
-    """Load or build every graph of `rt`, in its key order."""
-    for key in rt.graphs.keys:
+def ready(rt: Any, keys: list[GraphKey]) -> None:
+    """Load or build the graphs of `keys`, in order."""
+    for key in keys:
         rt.graphs.prepare(key, example_inputs(key, rt.model, rt.prefill_chunk))
 
 
-def _helper(model: str, options: dict[str, Any], index: int, processes: int) -> None:
-    """Build what the cache lacks, starting `index / processes` of the way through the keys."""
+def _helper(model: str, options: dict[str, Any], keys: list[GraphKey], index: int, processes: int) -> None:
+    """Build what the cache lacks of `keys`, starting `index / processes` of the way through them."""
     import logging
 
     from ..runtime import Runtime
 
     logging.getLogger("compiled_mtp.progress").setLevel(logging.WARNING)
     rt = Runtime.from_pretrained(model, **options)
-    keys = rt.graphs.keys
     start = index * len(keys) // processes
     for key in keys[start:] + keys[:start]:
         if rt.graphs.cache.problem(_artifact(rt, key)) is not None:

@@ -35,6 +35,11 @@ class FuseDenseMLP(RegionPass):
     def settings(self) -> tuple:
         return (MIN_ROWS, MAX_ROWS)
 
+    def _check(self, inputs: list[fx.Node], outputs: list[fx.Node]) -> None:
+        if len(inputs) < self.arity[0]:  # a MoE layer's shared experts: Inductor joins their down product to the routed sum
+            raise Unfusable("part of an MLP whose last product joined what follows it", expected=True)
+        super()._check(inputs, outputs)
+
     def roles(self, region: set[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]) -> tuple[list, list[fx.Node]]:
         """(x, gate, up, down) -> out; gate and up told apart on probes."""
         out = outputs[0].meta["val"]

@@ -24,7 +24,7 @@ import torch
 
 from ..graphs import steps
 from ..graphs.state import LAG_WINDOW, StaticState
-from ..models.deepseek_v3 import DeepseekV3
+from ..models.family import CausalLM
 from ..passes.manager import inductor_options
 from . import aot
 from .cache import MISSING, GraphCache
@@ -66,7 +66,7 @@ def graph_keys(batch_sizes: tuple[int, ...], depths: tuple[int, ...]) -> list[Gr
     return keys
 
 
-def example_inputs(key: GraphKey, model: DeepseekV3, prefill_chunk: int) -> tuple[torch.Tensor, ...]:
+def example_inputs(key: GraphKey, model: CausalLM, prefill_chunk: int) -> tuple[torch.Tensor, ...]:
     """Step tensors with the shapes and dtypes Runtime._prefill and Runtime._decode pass for `key`
     (values do not matter: export traces shapes)."""
     kind, b, k = key
@@ -108,7 +108,7 @@ class CompiledGraphs:
 
     def __init__(
         self,
-        model: DeepseekV3,
+        model: CausalLM,
         state: StaticState,
         backend: str = "inductor",
         passes: tuple[str, ...] | None = None,

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import fx, nn
 
-from ..models.deepseek_v3 import latent_attention
+from ..models.deepseek_v3 import MLA, latent_attention
 from .fx_nodes import aten
 from .kernels import cpp_build
 from .kernels import live_attention as op_module
@@ -42,9 +42,9 @@ class LiveAttention(RegionPass):
     modules = (op_module,)
 
     def prepare(self, model: nn.Module) -> None:
-        """Build the kernel now if the model's attention goes to it, so that the first step served
-        does not wait for the compiler."""
-        if cpp_build.serves(model):
+        """Build the kernel now if the model's attention goes to it (latent attention, on CPU float32),
+        so that the first step served does not wait for the compiler."""
+        if cpp_build.serves(model) and any(isinstance(m, MLA) for m in model.modules()):
             op_module.build()
 
     def roles(self, region: set[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]) -> tuple[list, list[fx.Node]]:

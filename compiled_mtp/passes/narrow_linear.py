@@ -37,7 +37,7 @@ import torch._inductor.inductor_prims  # noqa: F401  (registers prims.inductor_f
 from torch import fx, nn
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from ..models.deepseek_v3 import Linear
+from ..models.layers import Linear
 from .fx_nodes import LinearNode, call, linears, on_cpu_float32, replace
 from .kernels import few_row_linear as op_module
 

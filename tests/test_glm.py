@@ -125,8 +125,8 @@ def test_k1_accepted_counts_equal_hf_mtp(glm_distilled_path):
 
 
 def test_fp8_and_sharded_checkpoints_load_like_the_dequantized_one(tmp_path):
-    """FP8 block-scaled q/k/v/o and expert weights dequantize as DeepSeek-V3's do; a sharded
-    checkpoint loads the same tensors as a single file."""
+    """A sharded checkpoint with FP8 block-scaled q/k/v/o and expert weights (128x128 blocks over
+    160-wide weights: a partial block) loads as its dequantized single-file copy, which HF agrees with."""
     path = write_glm_checkpoint(tmp_path / "fp8", glm_config(hidden_size=160, head_dim=40), seed=2, fp8=True, max_shard_size="200KB")
     assert len(list(path.glob("*.safetensors"))) > 1
     plain = load_model(factory.dequantize_checkpoint(path, tmp_path / "fp32"))

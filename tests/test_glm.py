@@ -13,12 +13,14 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
+from transformers import Glm4MoeConfig as HFGlm4MoeConfig
 
 from compiled_mtp import Runtime, SamplingParams
 from compiled_mtp.cli import main
 from compiled_mtp.graphs.state import StaticState
 from compiled_mtp.models.checkpoint import load_model
 from compiled_mtp.models.config import CheckpointError
+from compiled_mtp.models.registry import family_of
 from compiled_mtp.reference import reference_generate
 from tests import factory
 from tests import test_distribution as distribution
@@ -258,3 +260,32 @@ def test_every_kind_traces_whole_and_matches_hf(glm_path):
     assert {key[0] for key in rt.graphs.replays} == {"prefill", "draft_decode", "target_verify", "draft_extend", "mtp_catch_up"}
     assert {key[1] for key in rt.graphs.replays if key[0] == "target_verify"} == {1, 2}
     assert rt.stats()["recompiles"] == 0
+
+
+# A config.json shaped like GLM-4.5's release: rope fields at the top level (transformers 4 style), 92
+# layers, so its MTP layer is model.layers.92 (one of the two numbers HF itself recognises).
+RELEASED_CONFIG = {
+    "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "vocab_size": 151552, "hidden_size": 5120,
+    "intermediate_size": 12288, "moe_intermediate_size": 1536, "num_hidden_layers": 92, "num_attention_heads": 96,
+    "num_key_value_heads": 8, "head_dim": 128, "partial_rotary_factor": 0.5, "rope_theta": 1000000, "n_routed_experts": 160,
+    "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 3,
+    "routed_scaling_factor": 2.5, "norm_topk_prob": True, "use_qk_norm": True, "attention_bias": True, "num_nextn_predict_layers": 1,
+    "eos_token_id": [151329, 151336, 151338], "rms_norm_eps": 1e-05, "tie_word_embeddings": False, "hidden_act": "silu",
+}  # fmt: skip
+
+
+def test_released_config_reads_as_hf_reads_it():
+    """A released-style config.json gives the rotary width, theta, head size and MTP layer count HF
+    derives from it; a bad field is one error naming it."""
+    family = family_of(RELEASED_CONFIG)
+    cfg = family.config.from_dict(RELEASED_CONFIG)
+    hf = HFGlm4MoeConfig.from_dict(RELEASED_CONFIG)
+    assert family.hf_class == "Glm4MoeForCausalLM"
+    assert cfg.rotary_dim == int(hf.head_dim * hf.rope_parameters["partial_rotary_factor"]) == 64
+    assert cfg.rope_theta == hf.rope_parameters["rope_theta"] and cfg.head_dim == hf.head_dim
+    assert cfg.num_nextn_predict_layers == hf.num_mtp_layers == 1 and cfg.eos_token_ids == (151329, 151336, 151338)
+    assert [cfg.is_moe_layer(i) for i in (2, 3)] == [False, True] and cfg.cache_dim == 2 * 8 * 128
+    with pytest.raises(CheckpointError, match=r"^config\.json: partial_rotary_factor must give an even rotary width in \[2, head_dim=128\], got 63$"):
+        family.config.from_dict({**RELEASED_CONFIG, "partial_rotary_factor": 63 / 128})
+    with pytest.raises(CheckpointError, match=r"^config\.json: num_attention_heads 96 not divisible by num_key_value_heads 7$"):
+        family.config.from_dict({**RELEASED_CONFIG, "num_key_value_heads": 7})

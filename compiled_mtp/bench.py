@@ -53,7 +53,8 @@ from .models.checkpoint import load_model
 from .llama_cpp_peer import LlamaCpp
 from .models.draft_vocab import read_ranking
 from .models.gguf_export import export_gguf
-from .models.deepseek_v3 import DeepseekV3, Experts
+from .models.family import CausalLM
+from .models.layers import Experts
 from .runtime import DTYPES, Runtime, SamplingParams, acceptance_length, check_device
 from .tokenizer import Tokenizer
 
@@ -278,7 +279,7 @@ def engine_run(k: int | str, prompts: list[list[int]], new_tokens: int, timings:
     )
 
 
-def _runtimes(model: DeepseekV3, args: argparse.Namespace) -> dict[int | str, Runtime]:
+def _runtimes(model: CausalLM, args: argparse.Namespace) -> dict[int | str, Runtime]:
     """One runtime per depth, so each one's stats() hold only that depth, and one at "auto" over them
     all (when there is more than one). Depth 0 alone loads no MTP state, as `mtp_depth=0` does."""
     systems = list(args.depths) + ["auto"] * (len(args.depths) > 1 and max(args.depths) > 0)
@@ -294,7 +295,7 @@ def _runtimes(model: DeepseekV3, args: argparse.Namespace) -> dict[int | str, Ru
 
 
 def bench_engine(
-    model: DeepseekV3, prompts: Prompts, args: argparse.Namespace, peer: LlamaCpp | None = None
+    model: CausalLM, prompts: Prompts, args: argparse.Namespace, peer: LlamaCpp | None = None
 ) -> tuple[list[Acceptance], list[EngineRun], list[PeerRun], int, int]:
     """Acceptance at every depth, then timings: per B, each system warmed up, then `runs` rounds in
     which the systems take turns; at B = 1 the peer takes its turn too. Returns (acceptance, runs,
@@ -398,7 +399,7 @@ def _layer_bytes(layer: torch.nn.Module, num_experts_per_tok: int) -> int:
     return total
 
 
-def weight_bytes(model: DeepseekV3) -> tuple[int, list[int]]:
+def weight_bytes(model: CausalLM) -> tuple[int, list[int]]:
     """(bytes one target forward reads, bytes one draft step reads per MTP layer), in the runtime dtype.
     A token reads one embedding row; a draft step also projects through the shared LM head (or the
     draft head of a restricted draft vocabulary)."""
@@ -663,9 +664,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_pass_switch(parser)
 
 
-def _llama_cpp(args: argparse.Namespace, folder: Path) -> LlamaCpp | None:
+def _llama_cpp(args: argparse.Namespace, model_type: str, folder: Path) -> LlamaCpp | None:
     """llama.cpp on a GGUF export of the model into `folder`, when it is installed and the device is the CPU."""
     skipped = "--no-llama-cpp" if args.no_llama_cpp else "CPU only" if torch.device(args.device).type != "cpu" else None
+    if skipped is None and model_type != "deepseek_v3":
+        skipped = f"the GGUF export writes DeepSeek-V3 checkpoints only, this is {model_type}"
     if skipped is None and not llama_cpp_peer.available():
         skipped = llama_cpp_peer.MISSING
     if skipped:
@@ -698,7 +701,7 @@ def run(args: argparse.Namespace) -> None:
     print(f"benchmarking {args.model} on {meta.device_name}; prompts: {prompts.detail}", flush=True)
     target_bytes, mtp_bytes = weight_bytes(model)
     with tempfile.TemporaryDirectory() as folder:
-        peer = _llama_cpp(args, Path(folder))
+        peer = _llama_cpp(args, model.model_type, Path(folder))
         acceptance, engine, peers, meta.compiles, meta.recompiles = bench_engine(model, prompts, args, peer)
         del peer
     del model  # HF loads its own copy next

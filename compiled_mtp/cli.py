@@ -18,10 +18,11 @@ from .capture.profile import DEFAULT_MODEL, PROFILES, Profile, ProfileError, loa
 from .depth_policy import depth_arg
 from .graphs.plan import example_inputs
 from .graphs.state import LAG_WINDOW
-from .models.config import CheckpointError, ModelConfig
+from .models.config import CheckpointError
 from .models.draft_vocab import token_ranking, write_ranking
 from .models.gguf_export import DTYPES as GGUF_DTYPES
 from .models.gguf_export import export_gguf
+from .models.registry import family_of, read_config
 from .models.synthetic import PRESETS, preset_config, write_random_checkpoint
 from .passes.manager import add_pass_switch, without
 from .runtime import MAX_SEED, RequestOutput, Runtime, SamplingParams
@@ -185,8 +186,9 @@ def _profile_for(args: argparse.Namespace) -> Profile | None:
 def cmd_random_checkpoint(args: argparse.Namespace) -> None:
     if not 0 <= args.seed <= MAX_SEED:
         raise ValueError(f"seed: must be in [0, 2**63 - 1], got {args.seed}")
-    path = write_random_checkpoint(args.out, preset_config(args.preset), seed=args.seed)
-    print(f"wrote a random {args.preset!r} DeepSeek-V3 checkpoint to {path}")
+    config = preset_config(args.preset)
+    path = write_random_checkpoint(args.out, config, seed=args.seed)
+    print(f"wrote a random {args.preset!r} {family_of(config).name} checkpoint to {path}")
 
 
 def cmd_export_gguf(args: argparse.Namespace) -> None:
@@ -234,7 +236,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     tokenizer = Tokenizer.find(args.model)
     if tokenizer is None:
         raise ValueError(f"model: {args.model} has no tokenizer.json to count tokens with")
-    vocab = ModelConfig.from_file(args.model / "config.json").vocab_size
+    vocab = read_config(args.model / "config.json")[1].vocab_size
     streams = []
     for path in args.text:
         try:
@@ -354,8 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_cache_option(g, optional=True)
     g.set_defaults(func=cmd_generate)
 
-    r = sub.add_parser("random-checkpoint", help="write a random DeepSeek-V3-shaped checkpoint")
-    r.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model size (default: %(default)s)")
+    r = sub.add_parser("random-checkpoint", help="write a random checkpoint of a preset's shape (DeepSeek-V3 or GLM-4 MoE)")
+    r.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model family and size: glm-* are GLM-4 MoE, the others DeepSeek-V3 (default: %(default)s)")
     r.add_argument("--out", required=True, type=Path, help="directory to write")
     r.add_argument("--seed", type=int, default=0, help="seed of the weights, in [0, 2**63 - 1] (default: %(default)s)")
     r.set_defaults(func=cmd_random_checkpoint)

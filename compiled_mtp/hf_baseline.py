@@ -1,4 +1,4 @@
-"""HF transformers on a DeepSeek-V3 checkpoint with MTP layers: the benchmark's baseline and the tests' oracle.
+"""HF transformers on a checkpoint with MTP layers (any registered family): the benchmark's baseline and the tests' oracle.
 
 transformers is an optional dependency (the `bench` and `test` extras); it is imported on first use.
 """
@@ -28,26 +28,31 @@ def transformers_version() -> str:
 def load_hf(
     path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu", attn_implementation: str | None = "eager"
 ) -> Any:
-    """The checkpoint as an eval-mode `DeepseekV3ForCausalLM` with its MTP layers.
+    """The checkpoint as an eval-mode HF model of its family (`DeepseekV3ForCausalLM`,
+    `Glm4MoeForCausalLM`) with its MTP layers.
 
-    HF finds MTP weights through `_keys_to_ignore_on_load_unexpected`, which it matches against
-    `model.layers.61.*` (DeepSeek-V3's layer count). The class attribute is set to one pattern per MTP
-    layer index of this checkpoint for the load and restored after, and the patterns are also set on the
-    instance so that `MtpModel.from_pretrained(model)` (and `generate(use_mtp=True)`) find the layers
-    later. `attn_implementation=None` takes HF's default (sdpa).
+    HF finds MTP weights through `_keys_to_ignore_on_load_unexpected`, which it matches against the
+    layer numbers of the released models (`model.layers.61.*` for DeepSeek-V3, 46 or 92 for GLM-4.5).
+    The class attribute is set to one pattern per MTP layer index of this checkpoint for the load and
+    restored after, and the patterns are also set on the instance so that `MtpModel.from_pretrained(model)`
+    (and `generate(use_mtp=True)`) find the layers later. `attn_implementation=None` takes HF's
+    default (sdpa).
     """
     transformers_version()
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    import transformers
 
-    config = DeepseekV3Config.from_pretrained(path)
-    first = config.num_hidden_layers
-    patterns = [rf"model\.layers\.{first + i}\..*" for i in range(config.num_nextn_predict_layers)]
-    saved = DeepseekV3ForCausalLM._keys_to_ignore_on_load_unexpected
-    DeepseekV3ForCausalLM._keys_to_ignore_on_load_unexpected = patterns
+    from .models.registry import read_config
+
+    family, cfg = read_config(Path(path) / "config.json")
+    model_class = getattr(transformers, family.hf_class)
+    first = cfg.num_hidden_layers
+    patterns = [rf"model\.layers\.{first + i}\..*" for i in range(cfg.num_nextn_predict_layers)]
+    saved = model_class._keys_to_ignore_on_load_unexpected
+    model_class._keys_to_ignore_on_load_unexpected = patterns
     try:
-        model = DeepseekV3ForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+        model = model_class.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
     finally:
-        DeepseekV3ForCausalLM._keys_to_ignore_on_load_unexpected = saved
+        model_class._keys_to_ignore_on_load_unexpected = saved
     model._keys_to_ignore_on_load_unexpected = patterns
     return model.to(device).eval()
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .models.deepseek_v3 import DeepseekV3
+from .models.family import CausalLM
 
 
 @dataclass
@@ -27,7 +27,7 @@ class ReferenceOutput:
 class _Request:
     """One request's caches, sized for the whole generation, in slot 0."""
 
-    def __init__(self, model: DeepseekV3, capacity: int, mtp: bool) -> None:
+    def __init__(self, model: CausalLM, capacity: int, mtp: bool) -> None:
         self.model = model
         self.device = model.lm_head.weight.device
         self.slot = torch.tensor([0], device=self.device)
@@ -54,12 +54,12 @@ class _Request:
 
 
 @torch.no_grad()
-def reference_generate(model: DeepseekV3, prompts: list[list[int]], max_new_tokens: int, mtp_depth: int) -> list[ReferenceOutput]:
+def reference_generate(model: CausalLM, prompts: list[list[int]], max_new_tokens: int, mtp_depth: int) -> list[ReferenceOutput]:
     """Greedy speculative decoding with K = mtp_depth drafts per step (0 = plain decoding)."""
     return [_generate_one(model, p, max_new_tokens, mtp_depth) for p in prompts]
 
 
-def _generate_one(model: DeepseekV3, prompt: list[int], max_new_tokens: int, k: int) -> ReferenceOutput:
+def _generate_one(model: CausalLM, prompt: list[int], max_new_tokens: int, k: int) -> ReferenceOutput:
     req = _Request(model, len(prompt) + max_new_tokens + k + 1, mtp=k > 0)
     out = ReferenceOutput([])
 

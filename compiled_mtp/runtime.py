@@ -26,7 +26,7 @@ from .graphs.plan import PREFILL, GraphKey, graph_keys, step_plan
 from .graphs.state import StaticState
 from .models.checkpoint import load_model
 from .models.draft_vocab import read_ranking
-from .models.deepseek_v3 import DeepseekV3
+from .models.family import CausalLM
 from .tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -112,7 +112,7 @@ class Runtime:
 
     def __init__(
         self,
-        model: DeepseekV3,
+        model: CausalLM,
         *,
         mtp_depth: int | str = 3,
         mtp_depths: Sequence[int] | None = None,
@@ -172,7 +172,7 @@ class Runtime:
         draft_vocab: int | None = None,
         **options,
     ) -> Runtime:
-        """Load an HF-layout DeepSeek-V3 checkpoint directory and prepare its graphs. `path` "default"
+        """Load an HF-layout checkpoint directory (DeepSeek-V3 or GLM-4 MoE) and prepare its graphs. `path` "default"
         (the default) is the model shipped with the package, `compiled_mtp.DEFAULT_MODEL`.
 
         `mtp_depth` is the draft depth K of every step, or "auto": each step's K is chosen among the

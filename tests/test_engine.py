@@ -182,9 +182,13 @@ def test_seeded_request_is_independent_of_its_batch(noisy_echo, k):
 
 
 def test_padded_rows_never_touch_live_or_free_slots(noisy_echo):
+    assert_padded_rows_write_only_scratch(noisy_echo)
+
+
+def assert_padded_rows_write_only_scratch(model) -> None:
     """A request left alone in a bucket of 4 (after three finished) runs with three padded rows:
-    they may write only the scratch slot."""
-    rt = runtime(noisy_echo, 3, buckets=(4,))
+    they may write only the scratch slot. `model` has a 97-token vocabulary."""
+    rt = runtime(model, 3, buckets=(4,))
     prompts = prompts_for(97, [6, 3, 4, 8], seed=9)
     for p, n in zip(prompts, [2, 2, 2, 30]):
         rt.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True))
@@ -207,8 +211,21 @@ def test_padded_rows_never_touch_live_or_free_slots(noisy_echo):
     for name in ("target_cache", "mtp_cache"):
         assert torch.equal(getattr(state, name)[:, live.slot, : written - 1], before[name][:, live.slot, : written - 1])
     assert rt.stats()["graph_replays"]["target_verify/B4/K3"] > 0
-    full = reference(noisy_echo, [prompts[3]], [30])[0]
+    full = reference(model, [prompts[3]], [30])[0]
     assert full[-len(got):] == got
+
+
+def test_catch_up_in_a_cache_shorter_than_its_window(noisy_echo):
+    """max_seq_len 12, below the catch-up's window of 16 positions: its rows that run nowhere write
+    scratch positions inside the cache (they ran past the scratch slot's end)."""
+    rt = runtime(noisy_echo, 0, buckets=(1,), max_seq_len=12, mtp_depths=(0, 1))
+    rt.add_request([5, 6, 7], SamplingParams(max_new_tokens=8, ignore_eos=True))
+    got, schedule = [], iter((0, 0, 1))
+    while rt.has_unfinished():
+        rt.mtp_depth = next(schedule, 1)
+        got += [t for o in rt.step() for t in o.new_token_ids]
+    assert rt.stats()["graph_replays"]["mtp_catch_up/B1/K0"] == 1
+    assert got == reference(noisy_echo, [[5, 6, 7]], [8])[0]
 
 
 def test_abort_frees_the_slot_and_leaves_the_others_exact(noisy_echo):

@@ -15,7 +15,8 @@ from compiled_mtp.capture.post_grad import post_grad_graphs
 from compiled_mtp.graphs.plan import GraphKey, GraphKind, example_inputs
 from compiled_mtp.graphs.state import StaticState
 from compiled_mtp.models.checkpoint import load_model
-from compiled_mtp.models.deepseek_v3 import dense_mlp, gathered_experts, latent_attention
+from compiled_mtp.models.deepseek_v3 import latent_attention
+from compiled_mtp.models.layers import dense_mlp, gathered_experts
 from compiled_mtp.ops import library
 from compiled_mtp.ops.greedy_sample import greedy_verify
 from compiled_mtp.passes import narrow_linear

@@ -30,7 +30,7 @@ from torch.export.pt2_archive._package import AOTICompiledModel
 
 from ..graphs.plan import GraphKey, GraphKind
 from ..graphs.state import StaticState
-from ..models.deepseek_v3 import DeepseekV3
+from ..models.family import CausalLM
 from ..passes.fold_key_constants import PREFIX as FOLDED_PREFIX, folded_name, folded_value
 
 # Inductor settings every artifact needs. Without `always_keep_tensor_constants`, Inductor copies
@@ -54,7 +54,7 @@ class ArtifactError(RuntimeError):
 class StepModule(nn.Module):
     """One step function as a module: the model and the state become its parameters and buffers."""
 
-    def __init__(self, kind: GraphKind, model: DeepseekV3, state: StaticState) -> None:
+    def __init__(self, kind: GraphKind, model: CausalLM, state: StaticState) -> None:
         super().__init__()
         self.kind = kind
         self.model = model
@@ -64,14 +64,14 @@ class StepModule(nn.Module):
         return self.kind.step(self.model, self.state, *inputs)
 
 
-def constants(model: DeepseekV3, state: StaticState) -> dict[str, Tensor]:
+def constants(model: CausalLM, state: StaticState) -> dict[str, Tensor]:
     """Every tensor a step graph may hold as a constant, by its name inside StepModule (any kind's)."""
     module = StepModule(GraphKind.prefill, model, state)
     named = list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False))
     return {name: tensor.detach() for name, tensor in named}
 
 
-def artifact_key(key: GraphKey, model: DeepseekV3, state: StaticState, inputs: tuple[Tensor, ...], options: dict[str, Any]) -> dict[str, Any]:
+def artifact_key(key: GraphKey, model: CausalLM, state: StaticState, inputs: tuple[Tensor, ...], options: dict[str, Any]) -> dict[str, Any]:
     """Everything that changes a graph's code, as JSON. Not in it: the checkpoint's path and weight
     values. `prefill_chunk` enters through the inputs' shapes."""
     config = asdict(model.cfg)
@@ -81,6 +81,7 @@ def artifact_key(key: GraphKey, model: DeepseekV3, state: StaticState, inputs: t
         "batch": key.batch,
         "depth": key.depth,
         "inputs": [[list(t.shape), str(t.dtype).removeprefix("torch.")] for t in inputs],
+        "model_type": model.model_type,
         "model_config": config,
         "dtype": str(model.lm_head.weight.dtype).removeprefix("torch."),
         "device": state.target_cache.device.type,
@@ -139,7 +140,7 @@ def _layout_digest(tensors: dict[str, Tensor]) -> str:
     return hashlib.sha256(layout.encode()).hexdigest()[:16]
 
 
-def build(kind: GraphKind, model: DeepseekV3, state: StaticState, inputs: tuple[Tensor, ...], package: Path, options: dict[str, Any]) -> None:
+def build(kind: GraphKind, model: CausalLM, state: StaticState, inputs: tuple[Tensor, ...], package: Path, options: dict[str, Any]) -> None:
     """Export the step with `inputs` as example step tensors and compile it into `package` (.pt2).
 
     The live tensors are only traced with fake copies, so building leaves the model and state as they were."""
@@ -159,7 +160,7 @@ def build(kind: GraphKind, model: DeepseekV3, state: StaticState, inputs: tuple[
         )
 
 
-def export_step(kind: GraphKind, model: DeepseekV3, state: StaticState, inputs: tuple[Tensor, ...]) -> torch.export.ExportedProgram:
+def export_step(kind: GraphKind, model: CausalLM, state: StaticState, inputs: tuple[Tensor, ...]) -> torch.export.ExportedProgram:
     # strict: Dynamo's trace keeps each node's full source stack, which the fusion pass reads
     return torch.export.export(StepModule(kind, model, state), tuple(inputs), strict=True)
 
@@ -205,7 +206,7 @@ def _used_constants(ep: torch.export.ExportedProgram) -> set[str]:
     return {names[node.name] for node in ep.graph.find_nodes(op="placeholder") if node.name in names and node.users}
 
 
-def load(package: Path, model: DeepseekV3, state: StaticState) -> Callable[..., Any]:
+def load(package: Path, model: CausalLM, state: StaticState) -> Callable[..., Any]:
     """The packaged graph, reading and writing the live model's and state's tensors (no copies)."""
     runner = _open(package)
     live = {**constants(model, state), **_load_folded(package)}

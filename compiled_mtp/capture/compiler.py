@@ -25,7 +25,7 @@ import torch
 
 from ..graphs.plan import GraphKey
 from ..graphs.state import StaticState
-from ..models.deepseek_v3 import DeepseekV3
+from ..models.family import CausalLM
 from ..passes.manager import inductor_options
 from . import aot
 from .cache import MISSING, GraphCache
@@ -71,7 +71,7 @@ class CompiledGraphs:
 
     def __init__(
         self,
-        model: DeepseekV3,
+        model: CausalLM,
         state: StaticState,
         backend: str = "inductor",
         passes: tuple[str, ...] | None = None,

@@ -18,7 +18,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from .aot import compile_package, export_step
 from ..graphs.plan import GraphKind
 from ..graphs.state import StaticState
-from ..models.deepseek_v3 import DeepseekV3
+from ..models.family import CausalLM
 from ..passes.manager import PassManager
 
 
@@ -50,7 +50,7 @@ def _runnable(graph: fx.Graph) -> fx.GraphModule:
 
 
 def post_grad_graphs(
-    kind: GraphKind, model: DeepseekV3, state: StaticState, inputs: tuple[torch.Tensor, ...], passes: tuple[str, ...]
+    kind: GraphKind, model: CausalLM, state: StaticState, inputs: tuple[torch.Tensor, ...], passes: tuple[str, ...]
 ) -> tuple[fx.GraphModule, fx.GraphModule]:
     """(graph before the passes, graph after them) of step `kind` on step tensors shaped like `inputs`.
     Call them with the step tensors."""

@@ -21,7 +21,9 @@ def cache_rows(slots: Tensor, positions: Tensor, capacity: int, scratch_slot: in
     ok = positions < capacity
     if valid is not None:
         ok = ok & valid
-    rows = torch.arange(positions.shape[1], device=positions.device)
+    # A block may have more rows than the cache has positions (a catch-up's window): the scratch
+    # positions wrap, else they would run into the slot after the scratch slot.
+    rows = torch.arange(positions.shape[1], device=positions.device) % capacity
     write = torch.where(ok, slots[:, None] * capacity + positions, scratch_slot * capacity + rows)
     return positions.clamp(max=capacity - 1), write
 

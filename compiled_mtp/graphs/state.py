@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..models.deepseek_v3 import DeepseekV3
+from ..models.family import CausalLM
 
 # Depth-0 steps M may fall behind before it catches up: one M pass over this many rows per that many
 # tokens, against one M pass per token if it kept up every step.
@@ -20,7 +20,7 @@ LAG_WINDOW = 16
 class StaticState(nn.Module):
     """Buffers (not inputs) so compiled graphs and CUDA graphs see fixed addresses."""
 
-    target_cache: Tensor  # [layers, slots + 1, max_seq_len, kv_lora_rank + rope_dim]
+    target_cache: Tensor  # [layers, slots + 1, max_seq_len, the family's entry width] (model.new_cache)
     mtp_cache: Tensor  # [mtp layers, slots + 1, max_seq_len, ...] (empty without MTP)
     last_token: Tensor  # [slots + 1] the last committed token, not yet through the target
     drafts: Tensor  # [slots + 1, K] d_1..d_K of the coming verify
@@ -31,7 +31,7 @@ class StaticState(nn.Module):
     top_k: Tensor
     top_p: Tensor
 
-    def __init__(self, model: DeepseekV3, num_slots: int, max_seq_len: int, max_depth: int) -> None:
+    def __init__(self, model: CausalLM, num_slots: int, max_seq_len: int, max_depth: int) -> None:
         super().__init__()
         cfg = model.cfg
         n = num_slots + 1

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..models.deepseek_v3 import DeepseekV3
+from ..models.family import CausalLM
 from .metadata import block_positions, cache_rows, gather_rows
 from .sampling import draft_sample, processed_probs, sample_from_probs, verify_sample
 from .state import StaticState
@@ -31,7 +31,7 @@ def _store_draft(state: StaticState, slots: Tensor, depth: int, token: Tensor, p
     state.draft_probs[slots, depth] = probs
 
 
-def prefill(model: DeepseekV3, state: StaticState, tokens: Tensor, next_tokens: Tensor, slot: Tensor, start: Tensor, prompt_len: Tensor, noise: Tensor) -> Tensor:
+def prefill(model: CausalLM, state: StaticState, tokens: Tensor, next_tokens: Tensor, slot: Tensor, start: Tensor, prompt_len: Tensor, noise: Tensor) -> Tensor:
     """One fixed-size chunk of one prompt: tokens [1, C] at positions start.., next_tokens [1, C] the
     prompt shifted by one (for M). In the chunk holding the prompt's last token, samples t_n (returned)
     and, with MTP, drafts d_1. noise [1, 2]: the uniform for t_n, the one for d_1."""
@@ -50,7 +50,7 @@ def prefill(model: DeepseekV3, state: StaticState, tokens: Tensor, next_tokens: 
     return first
 
 
-def _draft(model: DeepseekV3, state: StaticState, slots: Tensor, hidden: Tensor, u: Tensor, depth: int) -> Tensor:
+def _draft(model: CausalLM, state: StaticState, slots: Tensor, hidden: Tensor, u: Tensor, depth: int) -> Tensor:
     """Draft d_{depth + 1} from M's hidden, remember it with q and return it. A restricted draft vocabulary
     samples among its tokens; q, over the whole vocabulary, is 0 elsewhere, so verification stays exact."""
     token, probs = draft_sample(model.draft_logits(hidden), *_params(state, slots), u)
@@ -61,13 +61,13 @@ def _draft(model: DeepseekV3, state: StaticState, slots: Tensor, hidden: Tensor,
     return token
 
 
-def _draft_from(model: DeepseekV3, state: StaticState, slots: Tensor, hidden: Tensor, u: Tensor) -> None:
+def _draft_from(model: CausalLM, state: StaticState, slots: Tensor, hidden: Tensor, u: Tensor) -> None:
     """d_1 and q_1 from M's hidden at the last committed position; remembered for draft_decode."""
     _draft(model, state, slots, hidden, u, 0)
     state.mtp_hidden[slots] = hidden
 
 
-def draft_decode(model: DeepseekV3, state: StaticState, slots: Tensor, seq_lens: Tensor, noise: Tensor) -> None:
+def draft_decode(model: CausalLM, state: StaticState, slots: Tensor, seq_lens: Tensor, noise: Tensor) -> None:
     """Drafts d_2..d_K (K - 1 = noise.shape[1] steps): depth j runs MTP layer j % layers at position
     seq_len - 2 + j on d_j and M's own previous hidden."""
     hidden, token = state.mtp_hidden[slots], state.drafts[slots, 0]
@@ -78,7 +78,7 @@ def draft_decode(model: DeepseekV3, state: StaticState, slots: Tensor, seq_lens:
         token = _draft(model, state, slots, hidden, noise[:, j - 1], j)
 
 
-def target_verify(model: DeepseekV3, state: StaticState, slots: Tensor, seq_lens: Tensor, noise: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def target_verify(model: CausalLM, state: StaticState, slots: Tensor, seq_lens: Tensor, noise: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """T over [t_{L-1}, d_1..d_K] (K = noise.shape[1] - 1) and rejection sampling in the same graph.
     Returns accepted counts [B], committed tokens [B, K + 1] (d_1..d_a, then the bonus/correction
     token, repeated as filler) and T's hiddens [B, K + 1, H] for draft_extend."""
@@ -95,7 +95,7 @@ def target_verify(model: DeepseekV3, state: StaticState, slots: Tensor, seq_lens
     return accepted, committed, h
 
 
-def draft_extend(model: DeepseekV3, state: StaticState, slots: Tensor, seq_lens: Tensor, accepted: Tensor, committed: Tensor, hidden: Tensor, noise: Tensor) -> None:
+def draft_extend(model: CausalLM, state: StaticState, slots: Tensor, seq_lens: Tensor, accepted: Tensor, committed: Tensor, hidden: Tensor, noise: Tensor) -> None:
     """M over the verify block's K + 1 positions with T's hiddens and the committed tokens: rewrites
     M's cache there (rows past `accepted` carry filler, overwritten later) and drafts the next d_1
     from row `accepted`. seq_lens are the lengths before the verify; noise [B, 1]."""
@@ -104,7 +104,7 @@ def draft_extend(model: DeepseekV3, state: StaticState, slots: Tensor, seq_lens:
     _draft_from(model, state, slots, gather_rows(m, accepted), noise[:, 0])
 
 
-def mtp_catch_up(model: DeepseekV3, state: StaticState, slots: Tensor, seq_lens: Tensor, lags: Tensor, tokens: Tensor, noise: Tensor) -> None:
+def mtp_catch_up(model: CausalLM, state: StaticState, slots: Tensor, seq_lens: Tensor, lags: Tensor, tokens: Tensor, noise: Tensor) -> None:
     """M over the positions depth-0 steps left it behind on, then d_1 from the last one. The block is
     the W = tokens.shape[1] positions before seq_len - 1; only each request's last `lags` of them run
     (T's hiddens kept by target_verify at K=0), the other rows write nowhere. tokens [B, W]: the

@@ -1,8 +1,10 @@
-"""Load and write HF-layout DeepSeek-V3 checkpoints (config.json + safetensors, optionally sharded).
+"""Load and write HF-layout checkpoints of every registered family (config.json + safetensors,
+optionally sharded): DeepSeek-V3 and GLM-4 MoE as released (MTP layers numbered after the target's,
+routed experts as per-expert keys) and as HF's `save_pretrained` writes them.
 
 Loading builds the model on the meta device and assigns each tensor straight from the memory-mapped
-files, so at most one tensor is ever held twice (while it is converted). Released DeepSeek-V3 weights
-are FP8 e4m3 with 128x128 block scales (`*.weight_scale_inv`); they are dequantized here.
+files, so at most one tensor is ever held twice (while it is converted). Released DeepSeek-V3 and
+GLM-4.5 FP8 weights are e4m3 with 128x128 block scales (`*.weight_scale_inv`); they are dequantized here.
 """
 
 from __future__ import annotations
@@ -17,11 +19,11 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from .config import CheckpointError, ModelConfig
-from .deepseek_v3 import DeepseekV3, Rope
+from .config import CheckpointError
+from .family import STACKED_EXPERT, CausalLM, FamilyConfig
+from .registry import read_config
 
 INDEX_FILE = "model.safetensors.index.json"
-_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(gate_proj|up_proj|down_proj)$")
 # Released MTP layers carry copies of the shared embedding and head; the target's are used instead.
 _MTP_SHARED_COPIES = ("shared_head.head.weight", "embed_tokens.weight")
 
@@ -32,10 +34,11 @@ class _Source:
     key: str
 
 
-def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", with_mtp: bool = True) -> DeepseekV3:
-    """Load a checkpoint directory. `with_mtp=False` skips the MTP layers (plain decoding)."""
+def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", with_mtp: bool = True) -> CausalLM:
+    """Load a checkpoint directory of any registered family. `with_mtp=False` skips the MTP layers
+    (plain decoding)."""
     path = Path(path)
-    cfg = ModelConfig.from_file(path / "config.json")
+    family, cfg = read_config(path / "config.json")
     if with_mtp and cfg.num_nextn_predict_layers == 0:
         raise CheckpointError(
             f"{path / 'config.json'}: num_nextn_predict_layers is 0, so mtp_depth must be 0 (this checkpoint has no MTP layers)"
@@ -44,7 +47,7 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: 
         cfg = replace(cfg, num_nextn_predict_layers=0)
     sources = _index(path)
     with torch.device("meta"):
-        model = DeepseekV3(cfg)
+        model = family.model(cfg)
     expected = _expected_keys(model)
     _check_keys(path, cfg, sources, expected)
     handles = _Handles()
@@ -55,7 +58,7 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: 
             _assign(model, name, tensor)
     finally:
         handles.close()
-    model.rope = Rope(cfg).to(device)
+    model.rope = model.make_rope().to(device)
     return model.eval()
 
 
@@ -113,31 +116,29 @@ class _Handles:
         self._open.clear()
 
 
-def _expected_keys(model: DeepseekV3) -> dict[str, list[str]]:
+def _expected_keys(model: CausalLM) -> dict[str, list[str]]:
     """model parameter name -> the checkpoint keys it is built from (several for stacked experts)."""
-    expected: dict[str, list[str]] = {}
-    for name, param in model.state_dict(keep_vars=True).items():
-        m = _EXPERT.match(name)
-        if m:
-            expected[name] = [f"{m.group(1)}.{e}.{m.group(2)}.weight" for e in range(param.shape[0])]
-        else:
-            expected[name] = [name]
-    return expected
+    return {name: model.checkpoint_keys(name, param) for name, param in model.state_dict(keep_vars=True).items()}
 
 
-def _check_keys(path: Path, cfg: ModelConfig, sources: dict[str, _Source], expected: dict[str, list[str]]) -> None:
+def _check_keys(path: Path, cfg: FamilyConfig, sources: dict[str, _Source], expected: dict[str, list[str]]) -> None:
     wanted = {k for keys in expected.values() for k in keys}
+    first_mtp = cfg.num_hidden_layers
+    if cfg.num_nextn_predict_layers and not any(k.startswith(f"model.layers.{first_mtp}.") for k in sources):
+        raise CheckpointError(
+            f"{path}: no MTP layer keys (model.layers.{first_mtp}.*), though config.json has num_nextn_predict_layers "
+            f"{cfg.num_nextn_predict_layers} (HF's save_pretrained writes none): serve it with mtp_depth 0"
+        )
     for key in sorted(wanted):
         if key not in sources:
             raise CheckpointError(f"{path}: missing key {key!r}")
-    first_mtp = cfg.num_hidden_layers
     for key, src in sources.items():
         if key in wanted or _allowed_extra(key, sources, cfg, first_mtp):
             continue
         raise CheckpointError(f"{src.file}: unexpected key {key!r}")
 
 
-def _allowed_extra(key: str, sources: dict[str, _Source], cfg: ModelConfig, first_mtp: int) -> bool:
+def _allowed_extra(key: str, sources: dict[str, _Source], cfg: FamilyConfig, first_mtp: int) -> bool:
     if key.endswith("_scale_inv"):
         return key[: -len("_scale_inv")] in sources
     m = re.match(r"^model\.layers\.(\d+)\.(.*)$", key)
@@ -148,7 +149,7 @@ def _allowed_extra(key: str, sources: dict[str, _Source], cfg: ModelConfig, firs
     return False
 
 
-def _materialize(name: str, param: Tensor, keys: list[str], sources: dict[str, _Source], handles: _Handles, cfg: ModelConfig, dtype: torch.dtype, device) -> Tensor:
+def _materialize(name: str, param: Tensor, keys: list[str], sources: dict[str, _Source], handles: _Handles, cfg: FamilyConfig, dtype: torch.dtype, device) -> Tensor:
     shape = list(param.shape[1:]) if len(keys) > 1 else list(param.shape)
     for key in keys:
         got = handles.shape(sources[key])
@@ -162,7 +163,7 @@ def _materialize(name: str, param: Tensor, keys: list[str], sources: dict[str, _
     return out
 
 
-def _read(key: str, sources: dict[str, _Source], handles: _Handles, cfg: ModelConfig) -> Tensor:
+def _read(key: str, sources: dict[str, _Source], handles: _Handles, cfg: FamilyConfig) -> Tensor:
     tensor = handles.get_tensor(sources[key])
     if tensor.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
         return tensor
@@ -183,7 +184,7 @@ def dequantize_fp8(weight: Tensor, scale_inv: Tensor, block: tuple[int, int], wh
     return weight.float() * scale
 
 
-def _assign(model: DeepseekV3, name: str, tensor: Tensor) -> None:
+def _assign(model: CausalLM, name: str, tensor: Tensor) -> None:
     module_name, _, attr = name.rpartition(".")
     module = model.get_submodule(module_name)
     if attr in module._buffers:
@@ -192,8 +193,8 @@ def _assign(model: DeepseekV3, name: str, tensor: Tensor) -> None:
         module._parameters[attr] = torch.nn.Parameter(tensor, requires_grad=False)
 
 
-def save_checkpoint(model: DeepseekV3, config: dict, path: str | Path, dtype: torch.dtype | None = None) -> Path:
-    """Write `model` in the DeepSeek-V3 HF layout (per-expert keys, MTP layers after the target's).
+def save_checkpoint(model: CausalLM, config: dict, path: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """Write `model` in its family's released layout (per-expert keys, MTP layers after the target's).
 
     `config` is the HF config.json dict the model was built from. The MTP layers get the shared-head
     and embedding copies that released checkpoints carry."""
@@ -201,7 +202,7 @@ def save_checkpoint(model: DeepseekV3, config: dict, path: str | Path, dtype: to
     path.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, Tensor] = {}
     for name, tensor in model.state_dict().items():
-        m = _EXPERT.match(name)
+        m = STACKED_EXPERT.match(name)
         keep_fp32 = name.endswith("e_score_correction_bias")
         t = tensor if dtype is None or keep_fp32 else tensor.to(dtype)
         if m:

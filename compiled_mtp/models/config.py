@@ -1,15 +1,11 @@
-"""DeepSeek-V3 model configuration, read from an HF-layout config.json."""
+"""DeepSeek-V3 model configuration, read from an HF-layout config.json, and what every family's config
+shares: the error type, rope parameters, EOS ids and the FP8 block size."""
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
-
-SUPPORTED_MODEL_TYPES = ("deepseek_v3",)
-SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 
 
 class CheckpointError(ValueError):
@@ -86,24 +82,11 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
-        """Validate and convert an HF config dict; errors name `source` and the field."""
-        model_type = raw.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise CheckpointError(
-                f"{source}: model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-            )
-        archs = raw.get("architectures") or list(SUPPORTED_ARCHITECTURES)
-        if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-            raise CheckpointError(
-                f"{source}: architectures {archs} not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-            )
+        """Validate and convert an HF config dict (its family checked by registry.family_of); errors
+        name `source` and the field."""
         if raw.get("hidden_act", "silu") != "silu":
             raise CheckpointError(f"{source}: hidden_act {raw['hidden_act']!r} is not supported (only 'silu')")
-        eos = raw.get("eos_token_id")
-        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
-        quant = raw.get("quantization_config") or {}
-        if quant and quant.get("quant_method") != "fp8":
-            raise CheckpointError(f"{source}: quantization_config.quant_method {quant.get('quant_method')!r} is not supported (only 'fp8')")
+        eos, block = eos_ids(raw), fp8_block_size(raw, source)  # before the try: CheckpointError is a ValueError
         try:
             cfg = cls(
                 vocab_size=int(raw["vocab_size"]),
@@ -131,8 +114,8 @@ class ModelConfig:
                 attention_bias=bool(raw.get("attention_bias", False)),
                 max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
                 num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0),
-                eos_token_ids=eos_ids,
-                fp8_block_size=tuple(quant["weight_block_size"]) if quant else None,
+                eos_token_ids=eos,
+                fp8_block_size=block,
             )
         except KeyError as e:
             raise CheckpointError(f"{source}: missing required field {e.args[0]!r}") from None
@@ -140,17 +123,6 @@ class ModelConfig:
             raise CheckpointError(f"{source}: malformed field ({e})") from None
         cfg._check(source)
         return cfg
-
-    @classmethod
-    def from_file(cls, path: str | Path) -> ModelConfig:
-        path = Path(path)
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise CheckpointError(f"{path}: not found (a checkpoint directory needs config.json)") from None
-        except (OSError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{path}: unreadable JSON ({e})") from None
-        return cls.from_dict(raw, source=str(path))
 
     def _check(self, source: str) -> None:
         def need(ok: bool, what: str) -> None:
@@ -167,6 +139,22 @@ class ModelConfig:
                 1 <= self.num_experts_per_tok <= per_group * self.topk_group,
                 f"num_experts_per_tok must be in [1, {per_group * self.topk_group}], got {self.num_experts_per_tok}",
             )
+
+
+def eos_ids(raw: dict[str, Any]) -> tuple[int, ...]:
+    """config.json's eos_token_id (one id, a list or none) as a tuple."""
+    eos = raw.get("eos_token_id")
+    return () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+def fp8_block_size(raw: dict[str, Any], source: str) -> tuple[int, int] | None:
+    """The FP8 weights' block size from quantization_config (None: not quantized)."""
+    quant = raw.get("quantization_config") or {}
+    if not quant:
+        return None
+    if quant.get("quant_method") != "fp8":
+        raise CheckpointError(f"{source}: quantization_config.quant_method {quant.get('quant_method')!r} is not supported (only 'fp8')")
+    return tuple(quant.get("weight_block_size") or (128, 128))
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:

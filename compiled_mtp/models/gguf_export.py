@@ -37,6 +37,8 @@ def export_gguf(checkpoint: str | Path, out: str | Path, dtype: str = "f32") -> 
     gguf = _gguf()
     checkpoint, out = Path(checkpoint), Path(out)
     model = load_model(checkpoint, with_mtp=False)
+    if model.model_type != "deepseek_v3":
+        raise ValueError(f"{checkpoint}: is {model.model_type}; the GGUF export writes DeepSeek-V3 checkpoints only (llama.cpp's deepseek2)")
     cfg = model.cfg
     writer = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.DEEPSEEK2])
     _write_parameters(writer, gguf, cfg, dtype)

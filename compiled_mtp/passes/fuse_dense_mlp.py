@@ -1,6 +1,6 @@
 """Each dense SwiGLU MLP on a few rows becomes `compiled_mtp::dense_mlp` (CPU float32).
 
-Traced, a dense MLP (`models.deepseek_v3.dense_mlp`) is three linears and the activation between
+Traced, a dense MLP (`models.layers.dense_mlp`) is three linears and the activation between
 them: on 2-4 rows, three calls of the few-row kernel (narrow_linear) and a kernel of Inductor's, each
 with its own start and its threads' barrier. The op does the MLP in one call (the routed-experts
 kernel with one expert every row takes at weight 1), reading gate and up together for all the rows,
@@ -20,7 +20,7 @@ import math
 import torch
 from torch import fx
 
-from ..models.deepseek_v3 import dense_mlp
+from ..models.layers import dense_mlp
 from .region import Region, RegionPass, Unfusable, one_agreeing
 
 MIN_ROWS, MAX_ROWS = 2, 4

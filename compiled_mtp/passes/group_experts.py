@@ -1,6 +1,6 @@
 """The routed experts of each MoE layer become `compiled_mtp::routed_experts` (CPU float32).
 
-The model's fixed-shape MoE (`models.deepseek_v3.gathered_experts`) gathers each row's k experts and
+The fixed-shape MoE every family shares (`models.layers.gathered_experts`) gathers each row's k experts and
 multiplies every (row, expert) pair on its own, so an expert chosen by several rows of a verify is
 read once for each of them. The op (ops/csrc/routed_experts.cpp) groups the rows by expert and reads
 each chosen expert once. Measured on 2 cores, the 7 MoE layers of the 250m preset (16 experts, 4 per
@@ -24,7 +24,7 @@ import itertools
 import torch
 from torch import fx
 
-from ..models.deepseek_v3 import gathered_experts
+from ..models.layers import gathered_experts
 from .region import Region, RegionPass, Unfusable, by_signature, one_agreeing
 
 MIN_ROWS = 2

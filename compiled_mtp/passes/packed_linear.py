@@ -2,7 +2,7 @@
 
 Those of its linears (see fx_nodes.LinearNode) where packing pays, weights of 1 MB and more, become
 `compiled_mtp::linear(x, W, b)` (plus a residual Inductor folded into addmm), which uses the copy of W
-that `kernels.packed_linear.pack_linears` packed at load, and plain F.linear where there is none. Only
+that `ops.packed_linear.pack_linears` packed at load, and plain F.linear where there is none. Only
 CPU float32 graphs are rewritten.
 """
 

@@ -72,7 +72,9 @@ class RegionPass(CustomGraphPass):
         return type(self).__module__.rsplit(".", 1)[-1]
 
     def __call__(self, graph: fx.Graph) -> None:
+        found = False
         for region, inputs, outputs in calls_of(graph, self.traced):
+            found = True
             try:
                 self._check(inputs, outputs)
                 args, replaced = self.roles(region, inputs, outputs)
@@ -80,6 +82,8 @@ class RegionPass(CustomGraphPass):
                 log.log(logging.INFO if e.expected else logging.WARNING, "%s: left as traced: %s", self.name, e)
                 continue
             call_in_place_of(graph, self.op, args, replaced)
+        if not found:  # a model family without this function (GLM-4 MoE has no latent attention)
+            log.info("%s: skipped, the graph has no call of %s", self.name, self.traced.__name__)
         graph.eliminate_dead_code()
         stable_topological_sort(graph)  # users of an output may precede the op's last input
 

@@ -1,0 +1,127 @@
+"""The interface between a model family and the engine.
+
+The graphs (graphs/steps.py), StaticState, the reference loop, Runtime and the CLI see a model only
+through `CausalLM`: `forward_target` and `forward_mtp` over explicit positions, write indices and
+slots, `logits` / `draft_logits`, `new_cache` (the family's `RowCache` layout) and `num_mtp_layers`.
+A family module (deepseek_v3.py, glm4_moe.py) subclasses it with its attention and config, and
+registers a `Family` in registry.py: its config class, its model class and its checkpoint's key
+names. Nothing outside `models/` names a family.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from .layers import Backbone, Context, Linear, Rope, RowCache
+
+# Stacked routed experts (one [E, ...] parameter) come from per-expert checkpoint keys.
+STACKED_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(gate_proj|up_proj|down_proj)$")
+
+
+class FamilyConfig(Protocol):
+    """The config fields the engine reads outside a family's own module."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_nextn_predict_layers: int
+    num_experts_per_tok: int
+    eos_token_ids: tuple[int, ...]
+    fp8_block_size: tuple[int, int] | None
+
+
+class CausalLM(nn.Module):
+    """Target model T and MTP layers M of one family. Caches are passed in, allocated by `new_cache`.
+
+    Parameter names follow the checkpoint keys (`model.layers.3.self_attn.q_proj.weight`), except
+    routed experts, which are stacked per layer (`mlp.experts.gate_proj` is [E, I, H]) so a token
+    gathers its experts; `checkpoint_keys` maps one back to the keys it is read from."""
+
+    model_type: ClassVar[str]
+
+    def __init__(self, cfg: Any, attention: Callable[[], nn.Module], cache_width: int, mtp_moe: bool) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = Backbone(cfg, attention, mtp_moe)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        self.rope = self.make_rope()
+        self.cache_layout = RowCache(cache_width)
+        self.draft_head: Linear | None = None  # the LM head's rows for draft_ids (restrict_drafts)
+        self.draft_ids: Tensor | None
+        self.register_buffer("draft_ids", None)
+
+    def make_rope(self) -> Rope:
+        """The rotary tables (computed, not loaded: the loader rebuilds them off the meta device)."""
+        raise NotImplementedError
+
+    def checkpoint_keys(self, name: str, param: Tensor) -> list[str]:
+        """The checkpoint keys parameter `name` is read from: one, or one per expert when stacked."""
+        m = STACKED_EXPERT.match(name)
+        if m:
+            return [f"{m.group(1)}.{e}.{m.group(2)}.weight" for e in range(param.shape[0])]
+        return [name]
+
+    @property
+    def num_mtp_layers(self) -> int:
+        return self.cfg.num_nextn_predict_layers
+
+    def restrict_drafts(self, token_ids: Tensor) -> None:
+        """Draft only among `token_ids` (FR-Spec): the draft steps score those rows of the LM head,
+        copied into a head of their own so a draft step reads only them."""
+        w = self.lm_head.weight
+        ids = torch.as_tensor(token_ids, dtype=torch.long, device=w.device)
+        self.draft_head = Linear(self.cfg.hidden_size, len(ids)).to(device=w.device, dtype=w.dtype)
+        self.draft_head.weight.copy_(w[ids])
+        self.draft_ids = ids
+
+    def draft_logits(self, hidden: Tensor) -> Tensor:
+        """Logits over the draft vocabulary: every token, or draft_ids' when restricted."""
+        head = self.lm_head if self.draft_head is None else self.draft_head
+        return head(hidden).float()
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        return self.lm_head(hidden).float()
+
+    def new_cache(self, num_layers: int, num_slots: int, max_seq_len: int) -> Tensor:
+        """A zeroed cache of this family's layout for `num_layers` layers."""
+        p = self.lm_head.weight
+        return self.cache_layout.allocate(num_layers, num_slots, max_seq_len, p.dtype, p.device)
+
+    def context(self, positions: Tensor, write_index: Tensor, slots: Tensor, cache: Tensor) -> Context:
+        return Context(self.rope, self.cache_layout, positions, write_index, slots, cache, self.lm_head.weight.dtype)
+
+    def forward_target(self, tokens: Tensor, positions: Tensor, write_index: Tensor, slots: Tensor, cache: Tensor) -> Tensor:
+        """T over a [B, T] block. Returns post-final-norm hiddens [B, T, H] and writes each row's
+        cache entry to `write_index` (flat over slots x positions)."""
+        ctx = self.context(positions, write_index, slots, cache)
+        x = self.model.embed_tokens(tokens)
+        for i in range(self.cfg.num_hidden_layers):
+            x = self.model.layers[i](x, ctx, i)
+        return self.model.norm(x)
+
+    def forward_mtp(self, layer: int, tokens: Tensor, hidden: Tensor, positions: Tensor, write_index: Tensor, slots: Tensor, cache: Tensor) -> Tensor:
+        """MTP layer `layer` over a [B, T] block: row (b, t) takes the token at positions+1 and the hidden
+        from positions. Returns its post-shared_head.norm hiddens; `cache` is the MTP cache."""
+        ctx = self.context(positions, write_index, slots, cache)
+        mtp = self.model.layers[self.cfg.num_hidden_layers + layer]
+        return mtp(self.model.embed_tokens(tokens), hidden, ctx, layer)
+
+
+@dataclass(frozen=True)
+class Family:
+    """A registered model family: its name for people, the checkpoint's `model_type` and
+    `architectures`, the config class (`from_dict(raw, source)`), the model class and HF
+    transformers' class for it (the tests' oracle and the benchmark's baseline)."""
+
+    name: str
+    model_type: str
+    architectures: tuple[str, ...]
+    config: Any
+    model: type[CausalLM]
+    hf_class: str

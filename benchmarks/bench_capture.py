@@ -51,7 +51,8 @@ for key in graph_keys(profile.batch_sizes, profile.mtp_depths):
 ready = time.perf_counter()
 weights = sum(t.numel() * t.element_size() for t in rt.model.state_dict().values())
 print(json.dumps({"import_s": imported - start, "runtime_s": loaded - imported, "graphs_s": ready - loaded,
-                  "compiles": rt.graphs.compiles, "loads": rt.graphs.loads, "rss_growth": rss() - before, "weights": weights}))
+                  "compiles": rt.graphs.compiles, "loads": rt.graphs.loads, "rss_growth": rss() - before,
+                  "weights": weights}))
 """
 
 
@@ -115,7 +116,8 @@ def main() -> None:
             f"({100 * warm['graphs_s'] / cold:.1f}% of cold; import torch {warm['import_s']:.1f} s and "
             f"read the checkpoint {warm['runtime_s']:.1f} s come before it)\n"
             f"artifacts:    {sum(sizes) / 1e6:.1f} MB in all, {max(sizes) / 1e6:.1f} MB the largest; weights "
-            f"{warm['weights'] / 1e6:.1f} MB; resident memory added by loading every graph: {warm['rss_growth'] / 1e6:.1f} MB"
+            f"{warm['weights'] / 1e6:.1f} MB; "
+            f"resident memory added by loading every graph: {warm['rss_growth'] / 1e6:.1f} MB"
         )
         if not args.skip_demo:
             print("\ncompiled-mtp demo, first run (empty cache):")

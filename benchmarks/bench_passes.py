@@ -111,9 +111,10 @@ def bench_sampling(args: argparse.Namespace) -> list[dict]:
                 inputs = sampling_inputs(b, k, temperature, top_p, args.device)
                 (acc_off, tok_off), (acc_on, tok_on) = (graphs[name](*inputs) for name in ("off", "on"))
                 differ = int(((acc_off != acc_on) | (tok_off != tok_on).any(-1)).sum())
-                ms = {name: best_ms(lambda g=graph: g(*inputs), args.runs) for name, graph in graphs.items()}
+                ms = {name: best_ms(lambda g=graph, x=inputs: g(*x), args.runs) for name, graph in graphs.items()}
                 rows.append({"B": b, "K": k, "setting": setting, "off_ms": ms["off"], "on_ms": ms["on"], "speedup": ms["off"] / ms["on"], "requests_differing": differ})
-                print(f"  B={b:2d} K={k} {setting:14s} off {ms['off']:8.2f} ms  on {ms['on']:7.2f} ms  {ms['off'] / ms['on']:6.1f}x  requests with other tokens: {differ}/{b}", flush=True)
+                print(f"  B={b:2d} K={k} {setting:14s} off {ms['off']:8.2f} ms  on {ms['on']:7.2f} ms  "
+                    f"{ms['off'] / ms['on']:6.1f}x  requests with other tokens: {differ}/{b}", flush=True)
     return rows
 
 
@@ -154,10 +155,12 @@ def bench_e2e(args: argparse.Namespace) -> dict:
             tokens = per_step[k]
             result["rows"].append({"passes": name, "K": k, "step_ms": ms, "simulated_tokens_per_step": tokens, "simulated_tok_s": 1e3 * tokens / ms, "compile_s": compile_s[k]})
             speedup = f", {tokens / ms * step_ms[0]:.2f}x K=0" if 0 in step_ms else ""
-            print(f"  passes {name:3s} K={k}: {ms:7.1f} ms/step, simulated {1e3 * tokens / ms:6.1f} tok/s{speedup} (compile {compile_s[k]:.0f} s)", flush=True)
+            print(f"  passes {name:3s} K={k}: {ms:7.1f} ms/step, simulated {1e3 * tokens / ms:6.1f} "
+                f"tok/s{speedup} (compile {compile_s[k]:.0f} s)", flush=True)
         if name == "on" and 3 in runtimes:
             d = result["draft_step_ms"] = draft_step_ms(model, runtimes[3], args)
-            print(f"  draft step, vocabulary {d['full_vocab']} / its top {d['draft_vocab']}: {d['full']:.2f} / {d['restricted']:.2f} ms: {d['restricted'] / d['full']:.2f}x", flush=True)
+            print(f"  draft step, vocabulary {d['full_vocab']} / its top {d['draft_vocab']}: {d['full']:.2f}"
+                f" / {d['restricted']:.2f} ms: {d['restricted'] / d['full']:.2f}x", flush=True)
         verify = {k: verify_call(runtimes[k], k, args) for k in (0, 3) if k in runtimes}
         for k in verify.keys() - result["verify_weight_mb"].keys():  # the routing is the same with or without passes
             result["verify_weight_mb"][k] = {how: n / 1e6 for how, n in verify_weight_bytes(runtimes[k], k, args).items()}
@@ -173,13 +176,15 @@ def bench_e2e(args: argparse.Namespace) -> dict:
     cap = result["capacity_verify_ms"] = capacity_ms(model, args)
     for batch, ms in cap.items():
         print(
-            f"  target_verify K=3 B={batch}, max_seq_len {CAPACITY}: attention traced {ms['traced']:.1f} ms, live_attention {ms['live']:.1f} ms:"
+            f"  target_verify K=3 B={batch}, max_seq_len {CAPACITY}: "
+            f"attention traced {ms['traced']:.1f} ms, live_attention {ms['live']:.1f} ms:"
             f" {ms['traced'] / ms['live']:.2f}x (max_seq_len {short_capacity(args)}: {ms['short']:.1f} ms)", flush=True,
         )
     mb, ms = result["verify_weight_mb"], result["verify_ms"].get("on", {})
     for how in ("routed", "gathered") if set(mb) >= {0, 3} else ():
         speed = f" (with passes: {mb[3][how] / ms[3]:.0f} / {mb[0][how] / ms[0]:.0f} GB/s)" if set(ms) >= {0, 3} else ""
-        print(f"  weights read {how}: target_verify 4 rows {mb[3][how]:.0f} MB vs 1 row {mb[0][how]:.0f} MB: {mb[3][how] / mb[0][how]:.2f}x{speed}", flush=True)
+        print(f"  weights read {how}: target_verify 4 rows {mb[3][how]:.0f} MB "
+            f"vs 1 row {mb[0][how]:.0f} MB: {mb[3][how] / mb[0][how]:.2f}x{speed}", flush=True)
     return result
 
 
@@ -278,7 +283,8 @@ def lm_head_ms(model: torch.nn.Module, passes: tuple[str, ...], runs: int) -> di
     calls = {}
     for rows in (1, 4):
         compiled = torch.compile(_own_code(head, f"lm_head_{rows}_{len(passes)}"), fullgraph=True, dynamic=False, options=inductor_options(passes))
-        calls[rows] = lambda c=compiled, x=torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device): c(x)
+        x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
+        calls[rows] = lambda c=compiled, x=x: c(x)
     return paired_best_ms(calls, runs)
 
 
@@ -324,7 +330,8 @@ def main() -> None:
         print(f"verify sampling at vocab {VOCAB} (best of {args.runs}):", flush=True)
         result["sampling"] = bench_sampling(argparse.Namespace(**{**vars(args), "depths": args.depths or [1, 2, 3]}))
     if args.part in ("e2e", "both"):
-        print(f"end to end, random {args.preset} checkpoint, B=1 (tokens/s SIMULATED with the shipped model's acceptance):", flush=True)
+        print(f"end to end, random {args.preset} checkpoint, B=1 "
+            "(tokens/s SIMULATED with the shipped model's acceptance):", flush=True)
         result["e2e"] = bench_e2e(argparse.Namespace(**{**vars(args), "depths": args.depths or [0, 1, 2, 3]}))
     result["runs"] = {**result.get("runs", {}), **{part: _commit() for part in ("sampling", "e2e") if args.part in (part, "both")}}
     args.out.write_text(json.dumps(result, indent=1))

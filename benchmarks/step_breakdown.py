@@ -94,12 +94,14 @@ def main() -> None:
     if llama_cpp_peer.available():
         result["llama_cpp"] = llama_cpp_timings(args.model, prompt, args.steps)
     engine = result["engine"]
-    print(f"engine K=0 step, {engine['steps']} steps profiled: {engine['graph_ms_per_step']:.3f} ms in the graph, {engine['profiled_ms_per_step']:.3f} ms a step under the profiler")
+    print(f"engine K=0 step, {engine['steps']} steps profiled: {engine['graph_ms_per_step']:.3f} ms in the graph, "
+        f"{engine['profiled_ms_per_step']:.3f} ms a step under the profiler")
     for kind, ms in sorted(engine["kinds_ms"].items(), key=lambda kv: -kv[1]):
         print(f"  {ms:7.3f} ms  {kind}")
     if "llama_cpp" in result:
         ll = result["llama_cpp"]
-        print(f"llama.cpp: {ll['eval_ms_per_token']:.3f} ms a token in its eval counter, {ll['wall_ms_per_token']:.3f} ms a token of wall time (prompt {ll['prompt_ms']:.1f} ms)")
+        print(f"llama.cpp: {ll['eval_ms_per_token']:.3f} ms a token in its eval counter, "
+            f"{ll['wall_ms_per_token']:.3f} ms a token of wall time (prompt {ll['prompt_ms']:.1f} ms)")
     else:
         print(f"llama.cpp: not run ({llama_cpp_peer.MISSING})")
     if args.out:

@@ -42,9 +42,10 @@ import sys
 import tempfile
 import time
 import types
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -52,12 +53,12 @@ from . import hf_baseline, llama_cpp_peer
 from .capture.cache import user_cache
 from .capture.compiler import BACKENDS
 from .capture.profile import DEFAULT_MODEL
-from .passes.manager import add_pass_switch, without
-from .models.checkpoint import load_model
 from .llama_cpp_peer import LlamaCpp
+from .models.checkpoint import load_model
+from .models.deepseek_v3 import DeepseekV3, Experts
 from .models.draft_vocab import read_ranking
 from .models.gguf_export import export_gguf
-from .models.deepseek_v3 import DeepseekV3, Experts
+from .passes.manager import add_pass_switch, without
 from .runtime import DTYPES, Runtime, SamplingParams, acceptance_length, check_device
 
 TRAIN_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_default.py"
@@ -205,6 +206,7 @@ def _training_script() -> types.ModuleType | None:
         return None
     env, path = set(os.environ), list(sys.path)
     spec = importlib.util.spec_from_file_location("train_default", TRAIN_SCRIPT)
+    assert spec is not None and spec.loader is not None, "a .py file has a spec and a loader"
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
@@ -233,8 +235,10 @@ def held_out_prompts(model_dir: Path, count: int, length: int) -> Prompts | None
     _, held = script.split(script.stdlib_files())
     ids = script.acceptance_prompts(Tokenizer.from_file(str(model_dir / "tokenizer.json")), held, count, length)
     if len(ids) < count:
-        raise ValueError(f"prompt-len: only {len(ids)} of {len(held)} held-out files have {3 * length} tokens, {count} prompts are needed; use a shorter --prompt-len")
-    detail = f"{count} prompts of {length} tokens from {len(held)} held-out stdlib files (scripts/train_default.py split, Python {platform.python_version()})"
+        raise ValueError(f"prompt-len: only {len(ids)} of {len(held)} held-out files have {3 * length} tokens, "
+            f"{count} prompts are needed; use a shorter --prompt-len")
+    detail = (f"{count} prompts of {length} tokens from {len(held)} held-out stdlib files"
+              f" (scripts/train_default.py split, Python {platform.python_version()})")
     return Prompts(ids, "held-out", detail)
 
 
@@ -289,6 +293,7 @@ def measure_acceptance(rt: Runtime, prompts: list[list[int]], new_tokens: int) -
     rt.generate(prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
     s = rt.stats()
     rate = s["accepted_tokens"] / s["draft_tokens"] if s["draft_tokens"] else 0.0
+    assert isinstance(rt.mtp_depth, int), "acceptance is measured at a fixed depth"
     return Acceptance(rt.mtp_depth, s["acceptance_length"], rate, s["acceptance_rate_per_position"], s["draft_tokens"], s["accepted_tokens"])
 
 
@@ -329,7 +334,7 @@ def bench_engine(
     runtimes = _runtimes(model, args)
     acceptance = []
     for k, rt in runtimes.items():
-        if k != "auto" and k > 0:
+        if isinstance(k, int) and k > 0:  # not "auto"
             acceptance.append(measure_acceptance(rt, prompts.token_ids[: args.accept_prompts], args.new_tokens))
             print(f"  K={k}: acceptance length {acceptance[-1].acceptance_length:.2f}", flush=True)
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
@@ -341,14 +346,14 @@ def bench_engine(
         if peer is not None and b == 1:
             peer.generate(batch[0], args.new_tokens)
         timings: dict[int | str, list[_Timing]] = {k: [] for k in runtimes}
-        depths_before = runtimes.get("auto") and runtimes["auto"].stats()["depth_histogram"]
+        depths_before = runtimes["auto"].stats()["depth_histogram"] if "auto" in runtimes else {}
         peer_seconds: list[float] = []
         for _ in range(args.runs):
             for k, rt in runtimes.items():
                 timings[k].append(_generate(rt, batch, params))
             if peer is not None and b == 1:
                 peer_seconds.append(_peer_seconds(peer, batch[0], args.new_tokens))
-        if peer_seconds:
+        if peer is not None and peer_seconds:
             expected = next(iter(runtimes.values())).generate(batch, params)[0].token_ids
             peer_runs.append(peer_run(peer.generate(batch[0], args.new_tokens), expected, peer_seconds))
             print(f"  llama.cpp B=1: {peer_runs[-1].tokens_per_s:.1f} tok/s", flush=True)
@@ -398,7 +403,7 @@ def bench_hf(path: Path, prompts: list[list[int]], args: argparse.Namespace) -> 
     n = args.new_tokens
     rows = []
     for b in args.batch_sizes:
-        seconds = _best_of(args.runs, args.device, lambda: hf_baseline.hf_generate(model, prompts[:b], n))
+        seconds = _best_of(args.runs, args.device, partial(hf_baseline.hf_generate, model, prompts[:b], n))
         rows.append(HFRun("generate", 0, b, b * n / seconds, seconds))
         print(f"  HF generate B={b}: {rows[-1].tokens_per_s:.1f} tok/s", flush=True)
     k = model.config.num_nextn_predict_layers
@@ -465,7 +470,7 @@ def add_bounds(engine: list[EngineRun], bound: Bound) -> None:
     """Each row's bandwidth bound, and its speedup over K=0 at its B beside the bound's. Auto's bound is
     the best fixed depth's at its B."""
     for e in engine:
-        if e.k != "auto":
+        if isinstance(e.k, int):  # not "auto"
             e.bound_tokens_per_s = e.batch * e.acceptance_length * bound.steps_per_s[e.k]
     for e in engine:
         fixed = [r for r in engine if r.batch == e.batch and r.k != "auto"]
@@ -510,7 +515,8 @@ def _auto_goals(runs: list[EngineRun]) -> list[Goal]:
         best = max(fixed, key=lambda r: r.tokens_per_s)
         goal = 0.98 if best.k == 0 else 0.97
         value = auto.tokens_per_s / best.tokens_per_s
-        detail = f"{auto.tokens_per_s:.1f} vs K={best.k} {best.tokens_per_s:.1f} tok/s; steps per depth {auto.depth_histogram}"
+        detail = (f"{auto.tokens_per_s:.1f} vs K={best.k} {best.tokens_per_s:.1f} tok/s"
+                  f"; steps per depth {auto.depth_histogram}")
         out.append(Goal(f"auto_b{auto.batch}", f"auto vs best fixed K at B={auto.batch}", value, goal, value >= goal, detail))
     return out
 
@@ -560,7 +566,8 @@ def print_report(r: BenchResult) -> None:
     m, bound = r.meta, r.bound
     print(f"\ncompiled_mtp bench: {m.model}")
     drafts = f"; drafts among the {m.draft_vocab} most frequent tokens" if m.draft_vocab else ""
-    print(f"device: {m.device} ({m.device_name}); {m.dtype}; backend {m.backend}; {m.new_tokens} new tokens, greedy; best of {m.runs}{drafts}")
+    print(f"device: {m.device} ({m.device_name}); {m.dtype}; backend {m.backend}"
+        f"; {m.new_tokens} new tokens, greedy; best of {m.runs}{drafts}")
     print(f"prompts: {m.prompts}")
     print(f"\nacceptance on {m.accept_prompts} prompts")
     print(f"{'K':>3}{'acc len':>9}{'rate':>7}  per position")
@@ -572,7 +579,8 @@ def print_report(r: BenchResult) -> None:
     )
     for e in r.engine:
         print(
-            f"{'compiled_mtp K=' + str(e.k):<30}{e.batch:>3}{e.tokens_per_s:>10.1f}{e.bound_tokens_per_s:>10.0f}{e.iteration_ms:>9.2f}"
+            f"{'compiled_mtp K=' + str(e.k):<30}{e.batch:>3}{e.tokens_per_s:>10.1f}"
+            f"{e.bound_tokens_per_s:>10.0f}{e.iteration_ms:>9.2f}"
             f"{e.host_ms:>9.3f}{100 * e.host_share:>8.1f}{e.acceptance_length:>9.2f}"
             f"{e.speedup:>7.2f}x{e.bound_speedup:>6.2f}x{100 * e.bound_fraction:>6.0f}%"
         )
@@ -582,9 +590,10 @@ def print_report(r: BenchResult) -> None:
     for p in r.peers:
         same = "greedy tokens equal the engine's" if p.same_tokens else f"greedy tokens DIFFER from the engine's at token {p.first_difference}"
         print(f"{p.system:<30}{p.batch:>3}{p.tokens_per_s:>10.1f}  {same}")
+    per_draft_step = ", ".join(f"{x / 1e6:.2f}" for x in bound.mtp_step_bytes) or "-"
     print(
         f"\nbound: copy bandwidth {bound.bandwidth_bytes_per_s / 1e9:.1f} GB/s; weights read per target forward "
-        f"{bound.target_bytes / 1e6:.2f} MB, per draft step {', '.join(f'{x / 1e6:.2f}' for x in bound.mtp_step_bytes) or '-'} MB; "
+        f"{bound.target_bytes / 1e6:.2f} MB, per draft step {per_draft_step} MB; "
         + ", ".join(f"K={k}: {s:.0f} steps/s" for k, s in bound.steps_per_s.items())
     )
     print(f"compiles {m.compiles}, recompiles {m.recompiles}")

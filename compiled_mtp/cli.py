@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -70,7 +69,7 @@ def _size(n: int) -> str:
     return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.0f} kB"
 
 
-def _report(rt: Runtime, outs, seconds: float) -> None:
+def _report(rt: Runtime, outs: list[RequestOutput], seconds: float) -> None:
     tokens = sum(len(o.token_ids) for o in outs)
     s = rt.stats()
     rates = ", ".join(f"{r:.2f}" for r in s["acceptance_rate_per_position"]) or "-"
@@ -123,7 +122,8 @@ class _Text:
         chunk, self.unwritten = self.unwritten, ""
         if self.out is not None:
             reason = "stop" if self.stopped else self.out.finish_reason
-            chunk += f"\nfinish_reason={reason} drafted={self.out.num_draft_tokens} accepted={self.out.num_accepted_tokens}\n"
+            out = self.out
+            chunk += f"\nfinish_reason={reason} drafted={out.num_draft_tokens} accepted={out.num_accepted_tokens}\n"
         return chunk
 
 
@@ -147,7 +147,7 @@ def _run(rt: Runtime, prompts: list, heads: list[str], params: SamplingParams, s
         sys.stdout.flush()
     for t in pending:
         sys.stdout.write(t.take())
-    return [t.out for t in texts.values()]
+    return [t.out for t in texts.values() if t.out is not None]  # all of them: none is unfinished
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -201,6 +201,7 @@ DEMO_PROMPT = "def read_config(path):\n    \"\"\"Return the parsed configuration
 def cmd_demo(args: argparse.Namespace) -> None:
     profile = load_profile(PROFILES / "default-cpu.toml")
     options = _engine_options(args, profile) | {"mtp_depths": (0, 3)}
+    assert profile.model is not None, "default-cpu.toml names the shipped model"
     rt = Runtime.from_pretrained(profile.model, **options)
     print(f"model: {profile.model} (DeepSeek-V3 architecture, {rt.model.cfg.num_hidden_layers} layers + 1 MTP layer)")
     if rt.graphs.cache:
@@ -219,7 +220,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
         start = time.perf_counter()
         outs = rt.generate([DEMO_PROMPT], params)
         _report(rt, outs, time.perf_counter() - start)
-    print("generated (auto, greedy):\n" + DEMO_PROMPT + outs[0].text)
+    print("generated (auto, greedy):\n" + DEMO_PROMPT + (outs[0].text or ""))
 
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
@@ -251,11 +252,14 @@ def cmd_capture(args: argparse.Namespace) -> None:
         raise ValueError(f"cache_dir: {why}; capture stores graphs there")
     options = _engine_options(args, profile)
     rt = Runtime.from_pretrained(model, **options)
+    cache = rt.graphs.cache
+    assert cache is not None, "the cache directory was found writable above"
     keys = graph_keys(profile.batch_sizes, profile.mtp_depths)
     print(
-        f"capturing {len(keys)} graphs of {model} into {rt.graphs.cache.root}\n"
-        f"profile {args.profile}: {options['dtype']} on {options['device']}, batch buckets {list(profile.batch_sizes)}, "
-        f"MTP depths {list(profile.mtp_depths)}, max_seq_len {options['max_seq_len']}, prefill chunk {profile.prefill_chunk}"
+        f"capturing {len(keys)} graphs of {model} into {cache.root}\n"
+        f"profile {args.profile}: {options['dtype']} on {options['device']}, "
+        f"batch buckets {list(profile.batch_sizes)}, MTP depths {list(profile.mtp_depths)}, "
+        f"max_seq_len {options['max_seq_len']}, prefill chunk {profile.prefill_chunk}"
     )
     start = time.perf_counter()
     for i, key in enumerate(keys, 1):
@@ -265,10 +269,11 @@ def cmd_capture(args: argparse.Namespace) -> None:
         rt.graphs.prepare(key, example_inputs(key, rt.model, rt.prefill_chunk))
         how = "built" if rt.graphs.compiles > compiles else "loaded"
         print(f"{how} in {time.perf_counter() - graph_start:.1f} s", flush=True)
-    built, held = rt.graphs.compiles, GraphCache(rt.graphs.cache.root).artifacts(environment)
+    built, held = rt.graphs.compiles, GraphCache(cache.root).artifacts(environment)
     print(
         f"done in {time.perf_counter() - start:.1f} s: {built} built, {len(keys) - built} already in the cache; "
-        f"it holds {len(held)} graphs, {_size(sum(a.size for a in held))} (list them: compiled-mtp inspect --cache-dir {rt.graphs.cache.root})"
+        f"it holds {len(held)} graphs, {_size(sum(a.size for a in held))} "
+        f"(list them: compiled-mtp inspect --cache-dir {cache.root})"
     )
 
 

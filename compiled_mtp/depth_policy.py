@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import argparse
 from collections import Counter
-from typing import Sequence
+from collections.abc import Sequence
 
 Key = tuple[int, int]  # (bucket, depth)
 

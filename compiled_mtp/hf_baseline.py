@@ -49,7 +49,8 @@ def load_hf(
     finally:
         DeepseekV3ForCausalLM._keys_to_ignore_on_load_unexpected = saved
     model._keys_to_ignore_on_load_unexpected = patterns
-    return model.to(device).eval()
+    # transformers wraps `to` with functools.wraps, which mypy types as taking `self` first
+    return model.to(device).eval()  # type: ignore[arg-type]
 
 
 def _greedy_kwargs(ids: Tensor, max_new_tokens: int) -> dict[str, Any]:

@@ -41,6 +41,7 @@ class _Request:
     def mtp(self, depth: int, tokens: list[int], hidden: Tensor, start: int) -> Tensor:
         pos = self._positions(len(tokens), start)
         layer = depth % self.model.num_mtp_layers
+        assert self.mtp_cache is not None, "a request made with mtp=False drafts nothing"
         return self.model.forward_mtp(layer, self._ids(tokens), hidden[None], pos, pos, self.slot, self.mtp_cache)[0]
 
     def greedy(self, hidden: Tensor) -> Tensor:

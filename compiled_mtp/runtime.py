@@ -12,9 +12,10 @@ import math
 import operator
 import time
 from collections import Counter, deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -24,8 +25,8 @@ from .capture.profile import DEFAULT_MODEL
 from .depth_policy import DepthPolicy
 from .graphs.state import StaticState
 from .models.checkpoint import load_model
-from .models.draft_vocab import read_ranking
 from .models.deepseek_v3 import DeepseekV3
+from .models.draft_vocab import read_ranking
 from .tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -169,7 +170,7 @@ class Runtime:
         device: str = "cpu",
         cache_dir: str | Path | bool | None = True,
         draft_vocab: int | None = None,
-        **options,
+        **options: Any,
     ) -> Runtime:
         """Load an HF-layout DeepSeek-V3 checkpoint directory and prepare its graphs. `path` "default"
         (the default) is the model shipped with the package, `compiled_mtp.DEFAULT_MODEL`.
@@ -268,7 +269,7 @@ class Runtime:
             raise ValueError(f"params: expected 1 or {len(prompts)} SamplingParams, got {len(params)}")
         checked = [self._check(p, sp, where=f"prompts[{i}]") for i, (p, sp) in enumerate(zip(prompts, params))]
         ids = [self._queue(p, sp) for p, sp in zip(checked, params)]
-        wanted, done = set(ids), {}
+        wanted, done = set(ids), dict[int, RequestOutput]()
         while len(done) < len(ids):
             for s in self._step():
                 if s.request_id not in wanted:
@@ -361,7 +362,7 @@ class Runtime:
         return self._commit(req, [int(first)], depth=None, accepted=0)
 
     def _choose_depth(self, reqs: list[_Request], bucket: int) -> int:
-        if self._depth != "auto":
+        if isinstance(self._depth, int):  # else "auto"
             return self._depth
         wanted = [r.params.max_new_tokens - len(r.out.token_ids) for r in reqs]
         return self._policy.choose(bucket, [r.rates for r in reqs], wanted)
@@ -485,7 +486,7 @@ def acceptance_length(committed: int, request_steps: int) -> float:
     return committed / request_steps if request_steps else 1.0
 
 
-def _integer(value: object, what: str) -> int:
+def _integer(value: Any, what: str) -> int:
     """`value` as an int when it is integer-like (int, NumPy or torch integer; not bool); `what` leads
     the error, e.g. "seed:"."""
     try:

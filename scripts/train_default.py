@@ -330,7 +330,7 @@ def windows_of(stream: np.ndarray, length: int, count: int | None = None) -> tor
 
 
 def train_joint(model, stream, held, args, log) -> None:
-    params = [p for p in model.parameters()]
+    params = list(model.parameters())
     for p in params:
         p.requires_grad_(True)
     opt = adamw(params, args.lr, args.weight_decay)
@@ -493,13 +493,15 @@ def main() -> None:
     t0 = time.time()
     files = stdlib_files()
     train_files, held_files = split(files)
-    print(f"stdlib {sysconfig.get_paths()['stdlib']}: {len(files)} files, {len(train_files)} train, {len(held_files)} held out", flush=True)
+    print(f"stdlib {sysconfig.get_paths()['stdlib']}: "
+        f"{len(files)} files, {len(train_files)} train, {len(held_files)} held out", flush=True)
     tok = train_tokenizer([t for _, t in train_files], CONFIG["vocab_size"])
     train_stream = token_stream(tok, [t for _, t in train_files])
     held_stream = token_stream(tok, [t for _, t in held_files])
     train_bytes = sum(len(t.encode()) for _, t in train_files)
     print(
-        f"tokenizer + data {time.time() - t0:.0f}s: train {len(train_stream)} tokens ({train_bytes / len(train_stream):.2f} bytes/token), "
+        f"tokenizer + data {time.time() - t0:.0f}s: train {len(train_stream)} tokens "
+        f"({train_bytes / len(train_stream):.2f} bytes/token), "
         f"held out {len(held_stream)} tokens",
         flush=True,
     )
@@ -515,7 +517,7 @@ def main() -> None:
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "python": sys.version.split()[0],
         "files": {"train": len(train_files), "held_out": len(held_files)},
-        "tokens": {"train": int(len(train_stream)), "held_out": int(len(held_stream))},
+        "tokens": {"train": len(train_stream), "held_out": len(held_stream)},
         "parameters": n_params,
         "mtp_parameters": mtp_params,
         "joint_train": [],
@@ -552,7 +554,8 @@ def main() -> None:
             "k1_acceptance": sum(res.accepted) / len(res.accepted),
         }
         log["samples"].append(sample)
-        print(f"--- sample prompt:\n{sample['prompt']}\n--- greedy continuation (K=1 acceptance {sample['k1_acceptance']:.3f}):\n"
+        print(f"--- sample prompt:\n{sample['prompt']}\n"
+            f"--- greedy continuation (K=1 acceptance {sample['k1_acceptance']:.3f}):\n"
               f"{sample['greedy']}\n---", flush=True)
     log["total_minutes"] = (time.time() - t0) / 60
     log["sizes_bytes"] = {p.name: p.stat().st_size for p in sorted(args.out.iterdir()) if p.is_file() and p.name != "train_log.json"}

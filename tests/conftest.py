@@ -14,12 +14,12 @@ os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="compiled_mtp_tests_")
 if not torch.cuda.is_available():  # before any Triton kernel is defined: they run in Triton's interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
-from hypothesis import HealthCheck, settings  # noqa: E402
-from transformers import DeepseekV3ForCausalLM  # noqa: E402
-from transformers.utils import logging as hf_logging  # noqa: E402
+import pytest
+from hypothesis import HealthCheck, settings
+from transformers import DeepseekV3ForCausalLM
+from transformers.utils import logging as hf_logging
 
-from tests.factory import (  # noqa: E402
+from tests.factory import (
     load_hf,
     tiny_config,
     write_checkpoint,

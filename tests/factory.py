@@ -291,7 +291,7 @@ def _rewrite(path: Path, edit: Callable[[Path, dict[str, Tensor]], dict[str, Ten
     for file in _shard_files(path):
         tensors = edit(file, load_file(file))
         save_file(tensors, file, metadata={"format": "pt"})
-        weight_map |= {k: file.name for k in tensors}
+        weight_map |= dict.fromkeys(tensors, file.name)
         total += sum(t.numel() * t.element_size() for t in tensors.values())
     index = path / "model.safetensors.index.json"
     if index.exists():

@@ -45,7 +45,8 @@ from compiled_mtp import Runtime, SamplingParams
 from compiled_mtp.capture.profile import load_profile
 model, profile, cache, prompts, greedy, sampled = sys.argv[1:]
 rt = Runtime.from_pretrained(model, **load_profile(profile).runtime_options(), cache_dir=cache)
-outs = [[o.token_ids for o in rt.generate(json.loads(prompts), SamplingParams(**json.loads(p)))] for p in (greedy, sampled)]
+outs = [[o.token_ids for o in rt.generate(json.loads(prompts), SamplingParams(**json.loads(p)))]
+        for p in (greedy, sampled)]
 print(json.dumps({"outputs": outs, "compiles": rt.stats()["compiles"], "loads": rt.graphs.loads}))
 """
 
@@ -315,4 +316,7 @@ def test_stale_artifacts_are_reported_and_rebuilt(captured, checkpoints, tmp_pat
     extend_line, verify_line = sorted(_cache_log(caplog))
     assert extend_line.startswith(f"capture cache: draft_extend/B1/K2 at {extend} is stale (") and "built for kind draft_decode, not draft_extend" in extend_line
     verify = _package(cache, "target_verify")
-    assert verify_line == f"capture cache: target_verify/B1/K2 at {verify} is stale (built for torch 2.0.0, not {torch.__version__}); rebuilding it"
+    assert verify_line == (
+        f"capture cache: target_verify/B1/K2 at {verify} is stale (built for torch 2.0.0, not {torch.__version__}); "
+        "rebuilding it"
+    )

@@ -133,9 +133,9 @@ def test_inductor_graphs_equal_the_reference(tmp_path, monkeypatch):
 
 
 def _assert_state_written_in_place(rt: Runtime, codes: list[str]) -> None:
-    """No graph allocates a buffer as large as a cache or one layer of it: each writes its rows in place, so a step costs
-    what its rows read, not a copy of every slot's cache (Inductor copied the cache whole, and back,
-    where a graph wrote it through a view)."""
+    """No graph allocates a buffer as large as a cache or one layer of it: each writes its rows in place, so a
+    step costs what its rows read, not a copy of every slot's cache (Inductor copied the cache whole, and
+    back, where a graph wrote it through a view)."""
     caches = {size for cache in (rt.state.target_cache, rt.state.mtp_cache) for size in (cache.numel(), cache[0].numel())}
     # Every kind ran: prefill, draft_decode, target_verify and draft_extend at K=2, target_verify at K=0, mtp_catch_up.
     assert {key[0] for key in rt.graphs.replays} == {"prefill", "draft_decode", "target_verify", "draft_extend", "mtp_catch_up"}

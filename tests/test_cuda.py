@@ -54,6 +54,6 @@ def test_verify_sampling_is_fused_on_cuda_only_when_asked(checkpoint, monkeypatc
 
 
 def test_capture_cache_refuses_cuda_before_building_anything(checkpoint, tmp_path):
-    with pytest.raises(ValueError, match="^cache_dir: the capture cache holds CPU graphs only") as e:
+    with pytest.raises(ValueError, match=r"^cache_dir: the capture cache holds CPU graphs only") as e:
         Runtime.from_pretrained(checkpoint, mtp_depth=1, batch_sizes=(1,), max_seq_len=48, prefill_chunk=8, device="cuda", cache_dir=tmp_path / "graphs")
     assert "\n" not in str(e.value) and not (tmp_path / "graphs").exists()

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from compiled_mtp import Runtime, SamplingParams
-from compiled_mtp.cli import main
 from compiled_mtp.capture.profile import DEFAULT_MODEL
+from compiled_mtp.cli import main
 from compiled_mtp.models.checkpoint import load_model
 from compiled_mtp.models.gguf_export import export_gguf
 from tests.factory import tiny_config, write_checkpoint

@@ -86,7 +86,8 @@ BAD = {
     "missing key": (lambda p: factory.delete_key(p, "model.layers.1.self_attn.o_proj.weight"), r"missing key 'model\.layers\.1\.self_attn\.o_proj\.weight'"),
     "missing expert": (lambda p: factory.delete_key(p, "model.layers.2.mlp.experts.3.up_proj.weight"), r"missing key 'model\.layers\.2\.mlp\.experts\.3\.up_proj\.weight'"),
     "unexpected key": (lambda p: factory.add_key(p, "model.layers.0.mlp.bogus.weight"), r"model\.safetensors: unexpected key 'model\.layers\.0\.mlp\.bogus\.weight'"),
-    "shape mismatch": (lambda p: factory.reshape_key(p, "model.layers.0.self_attn.kv_b_proj.weight", (7, 16)), r"model\.safetensors: key 'model\.layers\.0\.self_attn\.kv_b_proj\.weight' has shape \[7, 16\], expected \[80, 16\]"),
+    "shape mismatch": (lambda p: factory.reshape_key(p, "model.layers.0.self_attn.kv_b_proj.weight", (7, 16)), r"model\.safetensors: key 'model\.layers\.0\.self_attn\.kv_b_proj\.weight'"
+    r" has shape \[7, 16\], expected \[80, 16\]"),
     "truncated file": (lambda p: factory.truncate_file(p / "model.safetensors"), r"model\.safetensors: unreadable or truncated"),
     "garbage file": (lambda p: factory.write_garbage(p / "model.safetensors"), r"model\.safetensors: unreadable or truncated"),
     "model type": (lambda p: factory.set_config_fields(p, model_type="llama"), r"config\.json: model_type 'llama' is not supported"),

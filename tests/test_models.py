@@ -8,7 +8,14 @@ import torch
 from hypothesis import example, given, settings
 
 from compiled_mtp.models.checkpoint import load_model
-from tests.factory import FULL_FEATURED_CONFIGS, config_strategy, hf_logits, hf_mtp_draft_logits, load_hf, write_checkpoint
+from tests.factory import (
+    FULL_FEATURED_CONFIGS,
+    config_strategy,
+    hf_logits,
+    hf_mtp_draft_logits,
+    load_hf,
+    write_checkpoint,
+)
 
 # fp32 on tiny models: both sides differ only in summation order (absorbed vs expanded MLA,
 # gathered vs looped experts); observed differences are ~1e-6.

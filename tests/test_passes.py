@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import re
 from contextlib import contextmanager
+from typing import ClassVar
 
 import pytest
 import torch
@@ -16,18 +17,19 @@ from hypothesis import strategies as st
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from compiled_mtp.capture.compiler import example_inputs
+from compiled_mtp.capture.post_grad import post_grad_graphs
 from compiled_mtp.graphs.state import StaticState
 from compiled_mtp.models.checkpoint import load_model
 from compiled_mtp.models.deepseek_v3 import Linear, gathered_experts, latent_attention
+from compiled_mtp.passes import narrow_linear
+from compiled_mtp.passes import packed_linear as packed_linear_pass
+from compiled_mtp.passes.fold_key_constants import PREFIX, key_only
+from compiled_mtp.passes.fx_nodes import calls_of
 from compiled_mtp.passes.kernels import few_row_linear, greedy_sample, packed_linear, routed_experts
 from compiled_mtp.passes.kernels import live_attention as live_attention_kernel
-from compiled_mtp.passes.fold_key_constants import PREFIX, key_only
-from compiled_mtp.capture.post_grad import post_grad_graphs
-from compiled_mtp.passes.fx_nodes import calls_of
-from compiled_mtp.passes.region import Unfusable, one_agreeing
 from compiled_mtp.passes.manager import REGISTRY, PassManager, available, inductor_options
-from compiled_mtp.passes import narrow_linear, packed_linear as packed_linear_pass
 from compiled_mtp.passes.packed_linear import LINEAR
+from compiled_mtp.passes.region import Unfusable, one_agreeing
 
 FEW_ROWS = torch.ops.compiled_mtp.few_row_linear.default
 FUSED = torch.ops.compiled_mtp.verify_sample.default
@@ -140,7 +142,10 @@ def test_draft_sampling_that_disagrees_with_the_op_stays(model, state, monkeypat
     with caplog.at_level("WARNING", logger="compiled_mtp.passes"):
         _, after = _graphs("draft_extend", 2, 1, model, state, ("fuse_draft_sampling",))
     assert _count(after, aten.sort.stable) == 1
-    assert "fuse_draft_sampling: left as traced: the op reproduces the region on 0%, 0%, 0%, 0%, 0%, 0% of the probes under the 6 assignments of its inputs, expected exactly one at 90% or more" in caplog.text
+    assert (
+        "fuse_draft_sampling: left as traced: the op reproduces the region on 0%, 0%, 0%, 0%, 0%, 0% of the probes "
+        "under the 6 assignments of its inputs, expected exactly one at 90% or more"
+    ) in caplog.text
 
 
 @pytest.mark.parametrize("kind,b,k", [("prefill", 1, 0), ("draft_decode", 2, 3), ("target_verify", 2, 2), ("draft_extend", 2, 2)])
@@ -334,7 +339,10 @@ def test_group_experts_leaves_a_layer_the_op_does_not_reproduce(model, state, mo
     monkeypatch.setattr(REGISTRY["group_experts"], "op", lambda x, *args: torch.zeros_like(x))
     before, after = _graphs("target_verify", 1, 1, model, state, ("group_experts",))
     assert len(after.graph.nodes) == len(before.graph.nodes)
-    assert "group_experts: left as traced: the op reproduces the region on 0%, 0% of the probes under the 2 assignments of its inputs, expected exactly one at 100% or more" in caplog.text
+    assert (
+        "group_experts: left as traced: the op reproduces the region on 0%, 0% of the probes "
+        "under the 2 assignments of its inputs, expected exactly one at 100% or more"
+    ) in caplog.text
 
 
 @settings(max_examples=40)
@@ -410,7 +418,10 @@ def test_attention_the_op_does_not_reproduce_stays(model, state, monkeypatch, ca
     with caplog.at_level("WARNING", logger="compiled_mtp.passes"):
         _, after = _graphs("draft_extend", 1, 1, model, state, ("live_attention",))
     assert _count(after, LIVE_ATTENTION) == 0 and len(_cache_gathers(after, state.max_seq_len)) == 1
-    assert "live_attention: left as traced: the op reproduces the region on 0%, 0% of the probes under the 2 assignments of its inputs, expected exactly one at 100% or more" in caplog.text
+    assert (
+        "live_attention: left as traced: the op reproduces the region on 0%, 0% of the probes "
+        "under the 2 assignments of its inputs, expected exactly one at 100% or more"
+    ) in caplog.text
 
 
 def _attention_case(gen: torch.Generator, batch: int, rows: int, capacity: int, heads: int, rank: int, rope: int, slots: int, blind: bool):
@@ -470,7 +481,11 @@ def test_one_agreeing_takes_only_a_single_agreeing_assignment():
         return one_agreeing([a, b], [out], [[a, b], [b, a]], lambda region, args: float(torch.equal(region(args, [x, y])[0], op(x, y))))
 
     assert pick(torch.sub) == [a, b]
-    with pytest.raises(Unfusable, match=r"^the op reproduces the region on 0%, 0% of the probes under the 2 assignments of its inputs, expected exactly one at 100% or more$"):
+    with pytest.raises(
+        Unfusable,
+        match=r"^the op reproduces the region on 0%, 0% of the probes under the 2 assignments of its inputs, "
+        r"expected exactly one at 100% or more$",
+    ):
         pick(torch.add)
     with pytest.raises(Unfusable, match=r"^the op reproduces the region on 100%, 100% of the probes under the 2 assignments"):
         one_agreeing([a, b], [out], [[a, b], [a, b]], lambda region, args: 1.0)
@@ -494,7 +509,7 @@ class _FindInner(CustomGraphPass):
     """Records the calls of `_inner` that `calls_of` finds in the post-grad graph (their nodes'
     targets, and the nodes they read), then ends the compile."""
 
-    found: list = []
+    found: ClassVar[list] = []
 
     def __call__(self, graph):
         _FindInner.found = [(sorted(str(n.target) for n in nodes), len(inputs)) for nodes, inputs, _ in calls_of(graph, _inner)]

@@ -12,7 +12,15 @@ from hypothesis import strategies as st
 
 from compiled_mtp.models.checkpoint import load_model
 from compiled_mtp.reference import reference_generate
-from tests.factory import FULL_FEATURED_CONFIGS, config_strategy, hf_greedy, hf_mtp_generate, load_hf, write_checkpoint, write_echo_checkpoint
+from tests.factory import (
+    FULL_FEATURED_CONFIGS,
+    config_strategy,
+    hf_greedy,
+    hf_mtp_generate,
+    load_hf,
+    write_checkpoint,
+    write_echo_checkpoint,
+)
 
 NEW_TOKENS = 12
 

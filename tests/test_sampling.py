@@ -195,10 +195,8 @@ def speculative_batches(draw):
     generator = torch.Generator().manual_seed(draw(st.integers(0, 2**32 - 1)))
     zero_fraction = draw(st.sampled_from([0.0, 0.5]))
     p = random_probs((batch, k + 1, vocab), generator, zero_fraction)
-    if draw(st.booleans()):
-        q = random_probs((batch, k, vocab), generator, zero_fraction)
-    else:  # drafts that agree with the target often
-        q = p[:, :k].clone()
+    # q is either drawn on its own or a copy of p's rows, for drafts that agree with the target often
+    q = random_probs((batch, k, vocab), generator, zero_fraction) if draw(st.booleans()) else p[:, :k].clone()
     if draw(st.booleans()):
         drafts = draft_from(q, generator)
     else:  # padded rows may carry drafts outside q's support

@@ -99,12 +99,15 @@ from triton.compiler import ASTSource
 from compiled_mtp.passes.kernels import verify_sample_triton as k
 
 ptrs = lambda *names: {name: "*fp32" for name in names}
+stats = ptrs("logits_ptr", "temperature_ptr", "max_ptr", "sum_ptr")
 kernels = [
-    (k._row_stats, {**ptrs("logits_ptr", "temperature_ptr", "max_ptr", "sum_ptr"), "vocab": "i32", "ROWS": "constexpr", "BLOCK": "constexpr"}, {"ROWS": 4, "BLOCK": k.BLOCK}),
-    (k._final_draw, {**ptrs("logits_ptr", "temperature_ptr", "max_ptr", "sum_ptr", "q_ptr", "u_ptr"), "out_ptr": "*i64", "vocab": "i32", "BLOCK": "constexpr"}, {"BLOCK": k.BLOCK}),
+    (k._row_stats, {**stats, "vocab": "i32", "ROWS": "constexpr", "BLOCK": "constexpr"}, {"ROWS": 4, "BLOCK": k.BLOCK}),
+    (k._final_draw, {**stats, **ptrs("q_ptr", "u_ptr"), "out_ptr": "*i64", "vocab": "i32", "BLOCK": "constexpr"},
+     {"BLOCK": k.BLOCK}),
 ]
 for fn, signature, constexprs in kernels:
-    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32))
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
     print(fn.fn.__name__, len(compiled.asm["cubin"]))
 """
 

@@ -19,9 +19,10 @@ import io
 import platform
 import warnings
 import zipfile
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -31,7 +32,8 @@ from torch.export.pt2_archive._package import AOTICompiledModel
 from ..graphs import steps
 from ..graphs.state import StaticState
 from ..models.deepseek_v3 import DeepseekV3
-from ..passes.fold_key_constants import PREFIX as FOLDED_PREFIX, folded_name, folded_value
+from ..passes.fold_key_constants import PREFIX as FOLDED_PREFIX
+from ..passes.fold_key_constants import folded_name, folded_value
 
 # Inductor settings every artifact needs. Without `always_keep_tensor_constants`, Inductor copies
 # 1-D constants of <= 8 elements into the code (the router's correction bias of a small model, the

@@ -151,13 +151,15 @@ class GraphCache:
 
 def _model(key: dict[str, Any]) -> str:
     config = key.get("model_config") or {}
-    return f"{config.get('num_hidden_layers', '?')}L H{config.get('hidden_size', '?')} {key.get('dtype', '?')} {key.get('device', '?')}"
+    layers, hidden = config.get("num_hidden_layers", "?"), config.get("hidden_size", "?")
+    return f"{layers}L H{hidden} {key.get('dtype', '?')} {key.get('device', '?')}"
 
 
 def _settings(key: dict[str, Any]) -> str:
     state = key.get("state") or {}
     passes = (key.get("inductor") or {}).get("post_grad_custom_post_pass", "?")
-    return f"seq {state.get('max_seq_len', '?')}, {state.get('num_slots', '?')} slots, K<={state.get('max_depth', '?')}, passes {passes[:8]}"
+    seq, slots, depth = (state.get(name, "?") for name in ("max_seq_len", "num_slots", "max_depth"))
+    return f"seq {seq}, {slots} slots, K<={depth}, passes {passes[:8]}"
 
 
 def _read_meta(path: Path) -> tuple[dict[str, Any] | None, str]:

@@ -17,8 +17,9 @@ import logging
 import time
 import types
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
+from typing import Any
 
 import torch
 
@@ -35,7 +36,8 @@ BACKENDS = ("inductor", "aot_eager", "eager")
 GraphKey = tuple[str, int, int]
 log = logging.getLogger("compiled_mtp.capture")
 # Graph builds take tens of seconds each: say which graph is being built, how long it took and how
-# many are still to come, on stderr by default. Opt out: logging.getLogger("compiled_mtp.progress").setLevel(logging.WARNING).
+# many are still to come, on stderr by default.
+# Opt out: logging.getLogger("compiled_mtp.progress").setLevel(logging.WARNING).
 progress = logging.getLogger("compiled_mtp.progress")
 if not progress.handlers:
     _handler = logging.StreamHandler()
@@ -119,7 +121,8 @@ class CompiledGraphs:
             raise ValueError(f"compile_backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
         self.cuda_graphs = backend == "inductor" and state.target_cache.is_cuda  # Inductor replays them
         if cache_dir is not None and self.cuda_graphs:
-            raise ValueError(f"cache_dir: {aot.CPU_ONLY}; leave it unset on CUDA, where graphs compile in the process and replay as CUDA graphs")
+            raise ValueError(f"cache_dir: {aot.CPU_ONLY}; leave it unset on CUDA, "
+                             "where graphs compile in the process and replay as CUDA graphs")
         self.model = model
         self.state = state
         self.backend = backend
@@ -146,7 +149,7 @@ class CompiledGraphs:
         if self.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
 
-    def __call__(self, key: GraphKey, *inputs: torch.Tensor):
+    def __call__(self, key: GraphKey, *inputs: torch.Tensor) -> Any:  # what the step returns
         graph = self._graphs.get(key)
         start = time.perf_counter()
         if graph is None:
@@ -189,7 +192,7 @@ class CompiledGraphs:
         # packs copies of the weights; a cached package holds no guards at all), so Dynamo's guards on
         # their modules only cost time: 0.3 ms of a 2.0-2.3 ms verify of the shipped model. The guards
         # on the step tensors stay, and a step tensor of another shape or dtype still fails loudly.
-        options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+        options: dict[str, Any] = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
         if self.backend != "inductor":
             compiled = torch.compile(fn, backend=self.backend, fullgraph=True, dynamic=False, options=options)
         else:
@@ -200,6 +203,7 @@ class CompiledGraphs:
     def _cached(self, key: GraphKey, inputs: tuple[torch.Tensor, ...]) -> Callable:
         """Load the key's package; build and store it first when it is missing or unusable. A bad
         package costs a rebuild and one log line, never a crash or a wrong graph."""
+        assert self.cache is not None, "prepare() loads through the cache only when there is one"
         kind, b, k = key
         akey = aot.artifact_key(kind, b, k, self.model, self.state, inputs, self.inductor_options)
         with self.cache.locked(akey):  # another process may be building this key: wait for it

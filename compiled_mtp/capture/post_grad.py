@@ -10,15 +10,16 @@ from __future__ import annotations
 import copy
 import tempfile
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from .aot import compile_package, export_step
 from ..graphs.state import StaticState
 from ..models.deepseek_v3 import DeepseekV3
 from ..passes.manager import PassManager
+from .aot import compile_package, export_step
 
 
 class _Stop(Exception):
@@ -27,7 +28,7 @@ class _Stop(Exception):
 
 class _Record(CustomGraphPass):
     # Inductor copies the pass object it is configured with, so the graphs go to the class.
-    graphs: list[fx.GraphModule] = []
+    graphs: ClassVar[list[fx.GraphModule]] = []
 
     def __init__(self, enabled: tuple[str, ...]) -> None:
         self.manager = PassManager(enabled)
@@ -45,6 +46,7 @@ class _Record(CustomGraphPass):
 def _runnable(graph: fx.Graph) -> fx.GraphModule:
     copied = copy.deepcopy(graph)
     copied._codegen = fx.graph.CodeGen()  # plain positional inputs instead of the export's pytree calling convention
+    assert graph.owning_module is not None, "Inductor's post-grad graphs belong to a GraphModule"
     return fx.GraphModule(graph.owning_module, copied)
 
 

@@ -11,6 +11,7 @@ import json
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -38,7 +39,8 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: 
     cfg = ModelConfig.from_file(path / "config.json")
     if with_mtp and cfg.num_nextn_predict_layers == 0:
         raise CheckpointError(
-            f"{path / 'config.json'}: num_nextn_predict_layers is 0, so mtp_depth must be 0 (this checkpoint has no MTP layers)"
+            f"{path / 'config.json'}: num_nextn_predict_layers is 0, so mtp_depth must be 0"
+            " (this checkpoint has no MTP layers)"
         )
     if not with_mtp:
         cfg = replace(cfg, num_nextn_predict_layers=0)
@@ -81,7 +83,7 @@ def _index(path: Path) -> dict[str, _Source]:
     return sources
 
 
-def _open(file: Path):
+def _open(file: Path) -> safe_open:
     try:
         return safe_open(str(file), framework="pt", device="cpu")
     except (SafetensorError, OSError, ValueError) as e:
@@ -92,9 +94,9 @@ class _Handles:
     """One open (memory-mapped) handle per shard for the duration of a load."""
 
     def __init__(self) -> None:
-        self._open: dict[Path, object] = {}
+        self._open: dict[Path, safe_open] = {}
 
-    def _slice(self, src: _Source, read: bool):
+    def _slice(self, src: _Source, read: bool) -> Any:
         if src.file not in self._open:
             self._open[src.file] = _open(src.file)
         handle = self._open[src.file]
@@ -148,7 +150,7 @@ def _allowed_extra(key: str, sources: dict[str, _Source], cfg: ModelConfig, firs
     return False
 
 
-def _materialize(name: str, param: Tensor, keys: list[str], sources: dict[str, _Source], handles: _Handles, cfg: ModelConfig, dtype: torch.dtype, device) -> Tensor:
+def _materialize(name: str, param: Tensor, keys: list[str], sources: dict[str, _Source], handles: _Handles, cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> Tensor:
     shape = list(param.shape[1:]) if len(keys) > 1 else list(param.shape)
     for key in keys:
         got = handles.shape(sources[key])
@@ -178,7 +180,8 @@ def dequantize_fp8(weight: Tensor, scale_inv: Tensor, block: tuple[int, int], wh
     br, bc = block
     want = [-(-rows // br), -(-cols // bc)]
     if list(scale_inv.shape) != want:
-        raise CheckpointError(f"{getattr(where, 'file', where)}: scale {getattr(where, 'key', '')!r} has shape {list(scale_inv.shape)}, expected {want}")
+        raise CheckpointError(f"{getattr(where, 'file', where)}: scale {getattr(where, 'key', '')!r}"
+            f" has shape {list(scale_inv.shape)}, expected {want}")
     scale = scale_inv.float().repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
     return weight.float() * scale
 

@@ -103,7 +103,8 @@ class ModelConfig:
         eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
         quant = raw.get("quantization_config") or {}
         if quant and quant.get("quant_method") != "fp8":
-            raise CheckpointError(f"{source}: quantization_config.quant_method {quant.get('quant_method')!r} is not supported (only 'fp8')")
+            raise CheckpointError(f"{source}: quantization_config.quant_method {quant.get('quant_method')!r}"
+                " is not supported (only 'fp8')")
         try:
             cfg = cls(
                 vocab_size=int(raw["vocab_size"]),

@@ -47,6 +47,8 @@ class RMSNorm(nn.Module):
 class Rope(nn.Module):
     """Rotary embedding on the qk_rope_head_dim slice, with optional YaRN frequency scaling."""
 
+    inv_freq: Tensor
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.interleave = cfg.rope_interleave
@@ -115,7 +117,7 @@ class MLA(nn.Module):
         self.kv_b_proj = Linear(cfg.kv_lora_rank, nh * (cfg.qk_nope_head_dim + cfg.v_head_dim))
         self.o_proj = Linear(nh * cfg.v_head_dim, h, cfg.attention_bias)
 
-    def forward(self, x: Tensor, ctx: "Context", layer: int) -> Tensor:
+    def forward(self, x: Tensor, ctx: Context, layer: int) -> Tensor:
         cfg = self.cfg
         b, t, _ = x.shape
         nh, dn, dr, dv, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
@@ -174,7 +176,8 @@ class Experts(nn.Module):
         4 / 128 / 512 rows, every expert masked 5.1 / 17.5 / 60 ms; so past 512 rows (training
         batches) the experts run masked.
         """
-        if self.gathers(*idx.shape, x.device):
+        rows, k = idx.shape
+        if self.gathers(rows, k, x.device):
             return self.gathered(x, idx, weights)
         return self.masked(x, idx, weights)
 
@@ -202,11 +205,15 @@ def gathered_experts(x: Tensor, idx: Tensor, weights: Tensor, gate: Tensor, up: 
 class Router(nn.Module):
     """Sigmoid scores; `e_score_correction_bias` steers selection only; group-limited top-k."""
 
+    e_score_correction_bias: Tensor
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        assert cfg.n_routed_experts is not None, "only MoE layers (ModelConfig.is_moe_layer) route"
         self.cfg = cfg
-        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size), requires_grad=False)
-        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+        self.n_experts = cfg.n_routed_experts
+        self.weight = nn.Parameter(torch.empty(self.n_experts, cfg.hidden_size), requires_grad=False)
+        self.register_buffer("e_score_correction_bias", torch.zeros(self.n_experts, dtype=torch.float32))
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """x [N, H] -> (expert indices [N, k], routing weights [N, k] float32)."""
@@ -214,7 +221,7 @@ class Router(nn.Module):
         scores = F.linear(x.float(), self.weight.float()).sigmoid()
         choice = scores + self.e_score_correction_bias
         n = x.shape[0]
-        per_group = cfg.n_routed_experts // cfg.n_group
+        per_group = self.n_experts // cfg.n_group
         group_scores = choice.view(n, cfg.n_group, per_group).topk(min(2, per_group), dim=-1)[0].sum(-1)
         group_idx = group_scores.topk(cfg.topk_group, dim=-1, sorted=False)[1]
         group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
@@ -231,7 +238,7 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate = Router(cfg)
-        self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.experts = Experts(self.gate.n_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         self.shared_experts = (
             MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts) if cfg.n_shared_experts else None
         )
@@ -255,7 +262,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: Tensor, ctx: "Context", layer: int) -> Tensor:
+    def forward(self, x: Tensor, ctx: Context, layer: int) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), ctx, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -278,7 +285,7 @@ class MTPLayer(DecoderLayer):
         self.eh_proj = Linear(2 * cfg.hidden_size, cfg.hidden_size)
         self.shared_head = SharedHead(cfg)
 
-    def forward(self, embeds: Tensor, hidden: Tensor, ctx: "Context", layer: int) -> Tensor:  # type: ignore[override]
+    def forward(self, embeds: Tensor, hidden: Tensor, ctx: Context, layer: int) -> Tensor:  # type: ignore[override]
         x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
         return self.shared_head.norm(super().forward(x, ctx, layer))
 
@@ -319,7 +326,7 @@ class Backbone(nn.Module):
         self.embed_tokens.weight.requires_grad_(False)
         target = [DecoderLayer(cfg, cfg.is_moe_layer(i)) for i in range(cfg.num_hidden_layers)]
         mtp = [MTPLayer(cfg) for _ in range(cfg.num_nextn_predict_layers)]
-        self.layers = nn.ModuleList(target + mtp)
+        self.layers = nn.ModuleList([*target, *mtp])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 

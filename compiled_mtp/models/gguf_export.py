@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -17,12 +19,15 @@ from torch import Tensor
 from .checkpoint import load_model
 from .config import ModelConfig
 
+if TYPE_CHECKING:  # gguf is an optional dependency, imported when an export runs
+    from gguf import GGMLQuantizationType, GGUFWriter
+
 # torch dtype of the stored tensors, per the CLI's --dtype; norms, the router and its bias stay
 # float32, as llama.cpp's converter keeps every 1-D tensor.
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
 
-def _gguf():
+def _gguf() -> ModuleType:
     try:
         import gguf
     except ImportError:
@@ -79,11 +84,11 @@ def _raw(dtype: torch.dtype) -> torch.dtype:
     return torch.int16 if dtype == torch.bfloat16 else dtype
 
 
-def _gguf_type(gguf, dtype: torch.dtype):
+def _gguf_type(gguf: ModuleType, dtype: torch.dtype) -> GGMLQuantizationType:
     return {torch.float32: gguf.GGMLQuantizationType.F32, torch.float16: gguf.GGMLQuantizationType.F16, torch.bfloat16: gguf.GGMLQuantizationType.BF16}[dtype]
 
 
-def _write_parameters(writer, gguf, cfg: ModelConfig, dtype: str) -> None:
+def _write_parameters(writer: GGUFWriter, gguf: ModuleType, cfg: ModelConfig, dtype: str) -> None:
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
@@ -123,7 +128,7 @@ def _write_parameters(writer, gguf, cfg: ModelConfig, dtype: str) -> None:
     writer.add_file_type(file_types[dtype])
 
 
-def _write_vocab(writer, gguf, checkpoint: Path, cfg: ModelConfig) -> None:
+def _write_vocab(writer: GGUFWriter, gguf: ModuleType, checkpoint: Path, cfg: ModelConfig) -> None:
     """The byte-level BPE of tokenizer.json as llama.cpp's "gpt2" tokenizer; without one, token ids only."""
     path = checkpoint / "tokenizer.json"
     if not path.exists():

@@ -18,8 +18,8 @@ import itertools
 import torch
 from torch import fx, nn
 
-from . import probes
 from ..graphs.sampling import draft_sample
+from . import probes
 from .kernels import draft_sample as op_module
 from .kernels import greedy_sample
 from .probes import probe_logits, probe_params, probe_rounds

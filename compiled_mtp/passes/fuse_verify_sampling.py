@@ -19,11 +19,11 @@ import itertools
 import torch
 from torch import fx, nn
 
-from . import probes
 from ..graphs.sampling import verify_sample
+from . import probes
 from .kernels import greedy_sample
 from .kernels import verify_sample as op_module
-from .kernels import verify_sample_triton as triton_kernel  # registers the CUDA kernel where Triton is installed
+from .kernels import verify_sample_triton as triton_kernel  # registers the CUDA kernel if Triton is installed
 from .probes import probe_logits, probe_params, probe_rounds
 from .region import Region, RegionPass, by_signature, one_agreeing
 

@@ -182,15 +182,15 @@ def linears(graph: fx.Graph) -> list[LinearNode]:
         if node.op != "call_function" or node.kwargs or node.target not in (aten.mm.default, aten.addmm.default):
             continue
         added, x, weight_t = (None, *node.args) if node.target is aten.mm.default else node.args
-        if not (isinstance(weight_t, fx.Node) and weight_t.target is aten.permute.default and list(weight_t.args[1]) == [1, 0]):
+        if not (isinstance(weight_t, fx.Node) and weight_t.target is aten.permute.default and weight_t.args[1] in ([1, 0], (1, 0))):
             continue
         weight = weight_t.args[0]
-        if weight.op in ("placeholder", "get_attr"):
+        if isinstance(weight, fx.Node) and weight.op in ("placeholder", "get_attr"):
             found.append(LinearNode(node, x, weight, added))
     return found
 
 
-def call(graph: fx.Graph, target: Callable, *args: object, **kwargs: object) -> fx.Node:
+def call(graph: fx.Graph, target: Callable, *args: fx.node.Argument, **kwargs: fx.node.Argument) -> fx.Node:
     """A new call_function node, with its value's metadata computed from its inputs' fake values."""
     node = graph.call_function(target, args, kwargs)
     vals = tree_map_only(fx.Node, lambda n: n.meta.get("val"), args)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 
 import torch
-from torch import fx, nn
+from torch import Tensor, fx, nn
 
 from ..models.deepseek_v3 import Experts, gathered_experts
 from .fx_nodes import on_cpu_float32
@@ -74,7 +74,7 @@ class GroupExperts(RegionPass):
         return float(torch.allclose(self.op(*values), expected, rtol=1e-4, atol=1e-4))
 
 
-def _fits(x, idx, weights, gate, up, down) -> bool:
+def _fits(x: Tensor, idx: Tensor, weights: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> bool:
     n, h = x.shape if x.dim() == 2 else (-1, -1)
     return (
         idx.dim() == 2 and idx.shape[0] == n and weights.shape == idx.shape and gate.dim() == 3

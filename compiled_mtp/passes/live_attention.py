@@ -50,7 +50,8 @@ class LiveAttention(RegionPass):
     def roles(self, region: set[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]) -> tuple[list, list[fx.Node]]:
         """(q_latent, q_pe, cache, slots, visible, scale) -> out, the queries told apart on probes."""
         queries, (kv,), (visible,) = by_signature(inputs, {(4, True): 2, (3, True): 1, (3, False): 1}, "inputs (q_latent, q_pe, kv, visible)")
-        if not (kv.target is aten.index.Tensor and len(kv.args[1]) == 1 and kv.args[0].meta["val"].dim() == 3):
+        cache, index = kv.args if kv.target is aten.index.Tensor else (None, ())
+        if not (isinstance(cache, fx.Node) and isinstance(index, list | tuple) and len(index) == 1 and cache.meta["val"].dim() == 3):
             raise Unfusable("its entries are not a gather of one layer's cache by slot")
         scales = [n.args[1] for n in region if n.target is aten.mul.Tensor and isinstance(n.args[1], float)]
         if len(scales) != 1:
@@ -61,8 +62,7 @@ class LiveAttention(RegionPass):
             return self._agreement(run, values, [*q, kv, visible], scale)
 
         q_latent, q_pe = one_agreeing(inputs, outputs, [queries, queries[::-1]], agreement)
-        cache, (slots,) = kv.args
-        return [q_latent, q_pe, cache, slots, visible, scale], outputs
+        return [q_latent, q_pe, cache, index[0], visible, scale], outputs
 
     def _agreement(self, region: Region, values: dict[fx.Node, torch.Tensor], roles: list[fx.Node], scale: float) -> float:
         """1 if the op, given `roles` (q_latent, q_pe, kv, visible), computes the region's output, else 0."""

@@ -32,8 +32,10 @@ the final norm), so 1 row stays here.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
-import torch._inductor.inductor_prims  # noqa: F401  (registers prims.inductor_force_stride_order)
+import torch._inductor.inductor_prims  # registers prims.inductor_force_stride_order
 from torch import fx, nn
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
@@ -53,11 +55,11 @@ class NarrowLinear(CustomGraphPass):
     def __call__(self, graph: fx.Graph) -> None:
         for lin in linears(graph):
             if lin.on_cpu_float32() and lin.rows <= NARROW_ROWS:
-                lin.replace(lambda g, lin=lin: _narrow(g, lin), adds=False)
+                lin.replace(partial(_narrow, lin=lin), adds=False)
         for bmm in graph.find_nodes(op="call_function", target=aten.bmm.default):
             a, b = bmm.args
             if on_cpu_float32(a, b) and a.meta["val"].shape[1] <= NARROW_ROWS:
-                replace(bmm, lambda g, a=a, b=b: _batched_multiply_and_sum(g, a, b))
+                replace(bmm, partial(_batched_multiply_and_sum, a=a, b=b))
         graph.eliminate_dead_code()
 
     def uuid(self) -> str:

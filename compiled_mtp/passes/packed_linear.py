@@ -8,6 +8,8 @@ CPU float32 graphs are rewritten.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import fx, nn
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
@@ -27,7 +29,7 @@ class PackedLinear(CustomGraphPass):
         for lin in linears(graph):
             if lin.on_cpu_float32() and _pays(lin):
                 bias = lin.added if lin.added is not None and _bias_of(lin.added, lin.weight) else None
-                lin.replace(lambda g, lin=lin, bias=bias: call(g, LINEAR, lin.x, lin.weight, bias), adds=bias is not None)
+                lin.replace(partial(_packed, lin=lin, bias=bias), adds=bias is not None)
         graph.eliminate_dead_code()
 
     def uuid(self) -> str:
@@ -36,6 +38,10 @@ class PackedLinear(CustomGraphPass):
     def prepare(self, model: nn.Module) -> None:
         """Pack the model's weights once, before any graph: every graph shares them."""
         op_module.pack_linears(model, MIN_WEIGHT)
+
+
+def _packed(graph: fx.Graph, lin: LinearNode, bias: fx.Node | None) -> fx.Node:
+    return call(graph, LINEAR, lin.x, lin.weight, bias)
 
 
 def _pays(lin: LinearNode) -> bool:

@@ -81,7 +81,8 @@ class RegionPass(CustomGraphPass):
         if not self.serves(devices):
             raise Unfusable(f"the op is not used on {'/'.join(sorted(devices))}", expected=True)
         if (len(inputs), len(outputs)) != self.arity:
-            raise Unfusable(f"the region has {len(inputs)} inputs and {len(outputs)} outputs, expected {self.arity[0]} and {self.arity[1]}")
+            raise Unfusable(f"the region has {len(inputs)} inputs and {len(outputs)} outputs"
+                f", expected {self.arity[0]} and {self.arity[1]}")
         if not all(isinstance(n.meta.get("val"), torch.Tensor) for n in inputs + outputs):
             raise Unfusable("a region input or output is not a tensor")
 
@@ -114,7 +115,8 @@ def one_agreeing(
     if sum(share >= threshold for share in shares) != 1:
         listed = ", ".join(f"{share:.0%}" for share in shares) or "none"
         raise Unfusable(
-            f"the op reproduces the region on {listed} of the probes under the {len(candidates)} assignments of its inputs, "
+            f"the op reproduces the region on {listed} of the probes "
+            f"under the {len(candidates)} assignments of its inputs, "
             f"expected exactly one at {threshold:.0%} or more"
         )
     return next(c for c, share in zip(candidates, shares) if share >= threshold)

@@ -51,7 +51,8 @@ for key in rt.graphs.keys:
 ready = time.perf_counter()
 weights = sum(t.numel() * t.element_size() for t in rt.model.state_dict().values())
 print(json.dumps({"import_s": imported - start, "runtime_s": loaded - imported, "graphs_s": ready - loaded,
-                  "compiles": rt.graphs.compiles, "loads": rt.graphs.loads, "rss_growth": rss() - before, "weights": weights}))
+                  "compiles": rt.graphs.compiles, "loads": rt.graphs.loads, "rss_growth": rss() - before,
+                  "weights": weights}))
 """
 
 
@@ -67,7 +68,20 @@ def _run(args: list[str], env: dict[str, str]) -> str:
 
 
 def cold_capture(model: Path, profile: Path, cache: Path, env: dict[str, str]) -> tuple[float, str]:
-    out = _run(["-m", "compiled_mtp.cli", "capture", "--profile", str(profile), "--model", str(model), "--cache-dir", str(cache)], env)
+    out = _run(
+        [
+            "-m",
+            "compiled_mtp.cli",
+            "capture",
+            "--profile",
+            str(profile),
+            "--model",
+            str(model),
+            "--cache-dir",
+            str(cache),
+        ],
+        env,
+    )
     print(out, end="")
     return float(re.search(r"done in ([\d.]+) s", out).group(1)), out
 
@@ -80,8 +94,21 @@ def demo_start(cache: Path, env: dict[str, str]) -> float:
     """Seconds from starting `compiled-mtp demo` to its first generated tokens; the run is finished."""
     start = time.perf_counter()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "compiled_mtp.cli", "demo", "--cache-dir", str(cache), "--max-new-tokens", "16"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        [
+            sys.executable,
+            "-m",
+            "compiled_mtp.cli",
+            "demo",
+            "--cache-dir",
+            str(cache),
+            "--max-new-tokens",
+            "16",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
     )
     first = None
     for line in proc.stdout:
@@ -115,14 +142,17 @@ def main() -> None:
             f"({100 * warm['graphs_s'] / cold:.1f}% of cold; import torch {warm['import_s']:.1f} s and "
             f"read the checkpoint {warm['runtime_s']:.1f} s come before it)\n"
             f"artifacts:    {sum(sizes) / 1e6:.1f} MB in all, {max(sizes) / 1e6:.1f} MB the largest; weights "
-            f"{warm['weights'] / 1e6:.1f} MB; resident memory added by loading every graph: {warm['rss_growth'] / 1e6:.1f} MB"
+            f"{warm['weights'] / 1e6:.1f} MB; "
+            f"resident memory added by loading every graph: {warm['rss_growth'] / 1e6:.1f} MB"
         )
         if not args.skip_demo:
             print("\ncompiled-mtp demo, first run (empty cache):")
             first = demo_start(tmp / "demo-cache", env)
             print("compiled-mtp demo, second run:")
             second = demo_start(tmp / "demo-cache", env)
-            print(f"\ndemo: first tokens {first:.1f} s after start on the first run, {second:.1f} s on the second")
+            print(
+                f"\ndemo: first tokens {first:.1f} s after start on the first run, {second:.1f} s on the second"
+            )
 
 
 if __name__ == "__main__":

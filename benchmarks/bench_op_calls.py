@@ -74,7 +74,10 @@ def main() -> None:
         "no call": None,
     }
     with tempfile.TemporaryDirectory() as folder:
-        runners = {name: package(Chain(args.calls, op), x, Path(folder), f"form{i}") for i, (name, op) in enumerate(forms.items())}
+        runners = {
+            name: package(Chain(args.calls, op), x, Path(folder), f"form{i}")
+            for i, (name, op) in enumerate(forms.items())
+        }
         times: dict[str, list[float]] = {name: [] for name in runners}
         for _ in range(args.rounds):
             for name, run in runners.items():
@@ -84,11 +87,17 @@ def main() -> None:
                     run(x)
                 times[name].append((time.perf_counter() - start) / args.iterations)
     base = statistics.median(times["no call"])
-    print(f"AOTInductor package, {args.calls} calls of a 4 x 16 by 16 x 16 linear, 1 thread, median of {args.rounds} rounds:")
+    print(
+        f"AOTInductor package, {args.calls} calls of a 4 x 16 by 16 "
+        f"x 16 linear, 1 thread, median of {args.rounds} rounds:"
+    )
     for name, t in times.items():
         if name != "no call":
             per_call = [1e6 * (s - base) / args.calls for s in t]
-            print(f"  {name:28s} {statistics.median(per_call):6.2f} us a call (rounds {min(per_call):.2f}-{max(per_call):.2f})")
+            print(
+                f"  {name:28s} {statistics.median(per_call):6.2f} us a "
+                f"call (rounds {min(per_call):.2f}-{max(per_call):.2f})"
+            )
 
 
 if __name__ == "__main__":

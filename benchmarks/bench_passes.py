@@ -42,6 +42,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -82,14 +83,25 @@ def best_ms(fn, runs: int) -> float:
     return 1e3 * min(seconds(fn) for _ in range(runs))
 
 
-def sampling_inputs(b: int, k: int, temperature: float, top_p: float, device: str) -> tuple[torch.Tensor, ...]:
+def sampling_inputs(
+    b: int, k: int, temperature: float, top_p: float, device: str
+) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(b * 10 + k)
     logits = 3 * torch.randn(b, k + 1, VOCAB, generator=gen)
     q = torch.softmax(3 * torch.randn(b, k, VOCAB, generator=gen), dim=-1)
-    drafts = torch.where(torch.rand(b, k, generator=gen) < 0.7, logits[:, :k].argmax(-1), torch.randint(0, VOCAB, (b, k), generator=gen))
+    drafts = torch.where(
+        torch.rand(b, k, generator=gen) < 0.7,
+        logits[:, :k].argmax(-1),
+        torch.randint(0, VOCAB, (b, k), generator=gen),
+    )
     inputs = (
-        logits, torch.full((b,), temperature), torch.zeros(b, dtype=torch.long), torch.full((b,), top_p),
-        drafts, q, torch.rand(b, k + 1, generator=gen),
+        logits,
+        torch.full((b,), temperature),
+        torch.zeros(b, dtype=torch.long),
+        torch.full((b,), top_p),
+        drafts,
+        q,
+        torch.rand(b, k + 1, generator=gen),
     )
     return tuple(t.to(device) for t in inputs)
 
@@ -105,44 +117,96 @@ def bench_sampling(args: argparse.Namespace) -> list[dict]:
     for b in args.batch_sizes:
         for k in [k for k in args.depths if k > 0]:
             graphs = {
-                name: torch.compile(own_code(_sample, f"sample_{name}_{b}_{k}"), fullgraph=True, dynamic=False, options=inductor_options(passes))
+                name: torch.compile(
+                    own_code(_sample, f"sample_{name}_{b}_{k}"),
+                    fullgraph=True,
+                    dynamic=False,
+                    options=inductor_options(passes),
+                )
                 for name, passes in (("off", ()), ("on", ("fuse_verify_sampling",)))
             }
             for setting, (temperature, top_p) in SETTINGS.items():
                 inputs = sampling_inputs(b, k, temperature, top_p, args.device)
                 (acc_off, tok_off), (acc_on, tok_on) = (graphs[name](*inputs) for name in ("off", "on"))
                 differ = int(((acc_off != acc_on) | (tok_off != tok_on).any(-1)).sum())
-                ms = {name: best_ms(lambda g=graph: g(*inputs), args.runs) for name, graph in graphs.items()}
-                rows.append({"B": b, "K": k, "setting": setting, "off_ms": ms["off"], "on_ms": ms["on"], "speedup": ms["off"] / ms["on"], "requests_differing": differ})
-                print(f"  B={b:2d} K={k} {setting:14s} off {ms['off']:8.2f} ms  on {ms['on']:7.2f} ms  {ms['off'] / ms['on']:6.1f}x  requests with other tokens: {differ}/{b}", flush=True)
+                ms = {
+                    name: best_ms(lambda g=graph, x=inputs: g(*x), args.runs)
+                    for name, graph in graphs.items()
+                }
+                rows.append(
+                    {
+                        "B": b,
+                        "K": k,
+                        "setting": setting,
+                        "off_ms": ms["off"],
+                        "on_ms": ms["on"],
+                        "speedup": ms["off"] / ms["on"],
+                        "requests_differing": differ,
+                    }
+                )
+                print(
+                    f"  B={b:2d} K={k} {setting:14s} off {ms['off']:8.2f} ms  on {ms['on']:7.2f} ms  "
+                    f"{ms['off'] / ms['on']:6.1f}x  requests with other tokens: {differ}/{b}",
+                    flush=True,
+                )
     return rows
 
 
 def simulated_tokens_per_step() -> dict[int, float]:
     """Tokens per decode step of the shipped model at each K it was measured at (greedy, held-out)."""
     acceptance = json.loads(SHIPPED_LOG.read_text())["acceptance"]
-    return {0: 1.0, **{int(key[1:]): 1 + value["accepted_per_step"] for key, value in acceptance.items() if key.startswith("K")}}
+    return {
+        0: 1.0,
+        **{
+            int(key[1:]): 1 + value["accepted_per_step"]
+            for key, value in acceptance.items()
+            if key.startswith("K")
+        },
+    }
 
 
 def bench_e2e(args: argparse.Namespace) -> dict:
     config = preset_config(args.preset)
     with tempfile.TemporaryDirectory() as tmp:
         print(f"writing the random {args.preset} checkpoint ...", flush=True)
-        model = load_model(write_random_checkpoint(Path(tmp) / args.preset, config), dtype=DTYPES[args.dtype], device=args.device)
+        model = load_model(
+            write_random_checkpoint(Path(tmp) / args.preset, config),
+            dtype=DTYPES[args.dtype],
+            device=args.device,
+        )
     params_m = sum(p.numel() for p in model.parameters()) / 1e6
-    prompt = torch.randint(0, config["vocab_size"], (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
+    prompt = torch.randint(
+        0, config["vocab_size"], (args.prompt_len,), generator=torch.Generator().manual_seed(0)
+    ).tolist()
     sampling = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     per_step = simulated_tokens_per_step()
     if missing := sorted(set(args.depths) - set(per_step)):
-        raise SystemExit(f"error: depths: the shipped model's acceptance was measured at K = {sorted(per_step)}, not at {missing}")
-    result = {"preset": args.preset, "parameters_m": params_m, "simulated_tokens_per_step": per_step, "rows": [], "verify_ms": {}, "verify_weight_mb": {}, "lm_head_ms": {}}
+        raise SystemExit(
+            f"error: depths: the shipped model's acceptance was measured at K = {sorted(per_step)}, not at {missing}"
+        )
+    result = {
+        "preset": args.preset,
+        "parameters_m": params_m,
+        "simulated_tokens_per_step": per_step,
+        "rows": [],
+        "verify_ms": {},
+        "verify_weight_mb": {},
+        "lm_head_ms": {},
+    }
     for name, passes in (("off", ()), ("on", available())):
         if name not in args.pass_sets:
             continue
         runtimes, compile_s = {}, {}
         for k in args.depths:
             start = time.perf_counter()
-            runtimes[k] = Runtime(model, mtp_depth=k, batch_sizes=(1,), max_seq_len=short_capacity(args), prefill_chunk=args.prompt_len, passes=passes)
+            runtimes[k] = Runtime(
+                model,
+                mtp_depth=k,
+                batch_sizes=(1,),
+                max_seq_len=short_capacity(args),
+                prefill_chunk=args.prompt_len,
+                passes=passes,
+            )
             timed_generate(runtimes[k], [prompt], sampling)  # compiles
             compile_s[k] = time.perf_counter() - start
         # The depths take turns, so that all of them see the same state of a shared machine.
@@ -153,34 +217,71 @@ def bench_e2e(args: argparse.Namespace) -> dict:
                 step_ms[k] = min(step_ms[k], 1e3 * t.decode_seconds / t.decode_steps)
         for k, ms in step_ms.items():
             tokens = per_step[k]
-            result["rows"].append({"passes": name, "K": k, "step_ms": ms, "simulated_tokens_per_step": tokens, "simulated_tok_s": 1e3 * tokens / ms, "compile_s": compile_s[k]})
+            result["rows"].append(
+                {
+                    "passes": name,
+                    "K": k,
+                    "step_ms": ms,
+                    "simulated_tokens_per_step": tokens,
+                    "simulated_tok_s": 1e3 * tokens / ms,
+                    "compile_s": compile_s[k],
+                }
+            )
             speedup = f", {tokens / ms * step_ms[0]:.2f}x K=0" if 0 in step_ms else ""
-            print(f"  passes {name:3s} K={k}: {ms:7.1f} ms/step, simulated {1e3 * tokens / ms:6.1f} tok/s{speedup} (compile {compile_s[k]:.0f} s)", flush=True)
+            print(
+                f"  passes {name:3s} K={k}: {ms:7.1f} ms/step, simulated {1e3 * tokens / ms:6.1f} "
+                f"tok/s{speedup} (compile {compile_s[k]:.0f} s)",
+                flush=True,
+            )
         if name == "on" and 3 in runtimes:
             d = result["draft_step_ms"] = draft_step_ms(model, runtimes[3], args)
-            print(f"  draft step, vocabulary {d['full_vocab']} / its top {d['draft_vocab']}: {d['full']:.2f} / {d['restricted']:.2f} ms: {d['restricted'] / d['full']:.2f}x", flush=True)
+            print(
+                f"  draft step, vocabulary {d['full_vocab']} / its top {d['draft_vocab']}: {d['full']:.2f}"
+                f" / {d['restricted']:.2f} ms: {d['restricted'] / d['full']:.2f}x",
+                flush=True,
+            )
         verify = {k: verify_call(runtimes[k], k, args) for k in (0, 3) if k in runtimes}
-        for k in verify.keys() - result["verify_weight_mb"].keys():  # the routing is the same with or without passes
-            result["verify_weight_mb"][k] = {how: n / 1e6 for how, n in verify_weight_bytes(runtimes[k], k, args).items()}
+        for k in (
+            verify.keys() - result["verify_weight_mb"].keys()
+        ):  # the routing is the same with or without passes
+            result["verify_weight_mb"][k] = {
+                how: n / 1e6 for how, n in verify_weight_bytes(runtimes[k], k, args).items()
+            }
         if set(verify) == {0, 3}:
             result["verify_ms"][name] = paired_best_ms(verify, args.runs * 3)
             with same_experts(model):
                 result["verify_ms"][f"{name}, same experts"] = paired_best_ms(verify, args.runs * 3)
             for label in (name, f"{name}, same experts"):
                 v = result["verify_ms"][label]
-                print(f"  passes {label}: target_verify 4 rows {v[3]:.1f} ms vs 1 row {v[0]:.1f} ms: {v[3] / v[0]:.2f}x", flush=True)
+                print(
+                    f"  passes {label}: target_verify 4 rows {v[3]:.1f} ms vs 1 row {v[0]:.1f} ms: {v[3] / v[0]:.2f}x",
+                    flush=True,
+                )
         h = result["lm_head_ms"][name] = lm_head_ms(model, passes, args.runs * 3)
-        print(f"  passes {name}: the LM head alone, 4 rows {h[4]:.1f} ms vs 1 row {h[1]:.1f} ms: {h[4] / h[1]:.2f}x", flush=True)
+        print(
+            f"  passes {name}: the LM head alone, 4 rows {h[4]:.1f} ms vs 1 row {h[1]:.1f} ms: {h[4] / h[1]:.2f}x",
+            flush=True,
+        )
     cap = result["capacity_verify_ms"] = capacity_ms(model, args)
     for batch, ms in cap.items():
         print(
-            f"  target_verify K=3 B={batch}, max_seq_len {CAPACITY}: attention traced {ms['traced']:.1f} ms, live_attention {ms['live']:.1f} ms:"
-            f" {ms['traced'] / ms['live']:.2f}x (max_seq_len {short_capacity(args)}: {ms['short']:.1f} ms)", flush=True,
+            f"  target_verify K=3 B={batch}, max_seq_len {CAPACITY}: "
+            f"attention traced {ms['traced']:.1f} ms, live_attention {ms['live']:.1f} ms:"
+            f" {ms['traced'] / ms['live']:.2f}x (max_seq_len {short_capacity(args)}: {ms['short']:.1f} ms)",
+            flush=True,
         )
     mb, ms = result["verify_weight_mb"], result["verify_ms"].get("on", {})
     for how in ("routed", "gathered") if set(mb) >= {0, 3} else ():
-        speed = f" (with passes: {mb[3][how] / ms[3]:.0f} / {mb[0][how] / ms[0]:.0f} GB/s)" if set(ms) >= {0, 3} else ""
-        print(f"  weights read {how}: target_verify 4 rows {mb[3][how]:.0f} MB vs 1 row {mb[0][how]:.0f} MB: {mb[3][how] / mb[0][how]:.2f}x{speed}", flush=True)
+        speed = (
+            f" (with passes: {mb[3][how] / ms[3]:.0f} / {mb[0][how] / ms[0]:.0f} GB/s)"
+            if set(ms) >= {0, 3}
+            else ""
+        )
+        print(
+            f"  weights read {how}: target_verify 4 rows {mb[3][how]:.0f} MB "
+            f"vs 1 row {mb[0][how]:.0f} MB: {mb[3][how] / mb[0][how]:.2f}x{speed}",
+            flush=True,
+        )
     return result
 
 
@@ -191,10 +292,23 @@ def draft_step_ms(model: torch.nn.Module, full: Runtime, args: argparse.Namespac
     restricted afterwards (`full`'s graphs were traced before, and the later parts time no draft)."""
     vocab = model.cfg.vocab_size
     model.restrict_drafts(torch.arange(vocab // 4))
-    restricted = Runtime(model, mtp_depth=3, batch_sizes=(1,), max_seq_len=short_capacity(args), prefill_chunk=args.prompt_len)
+    restricted = Runtime(
+        model, mtp_depth=3, batch_sizes=(1,), max_seq_len=short_capacity(args), prefill_chunk=args.prompt_len
+    )
     inputs = verify_inputs(3, args)[:2] + (step_noise(3, 1, args.device)[0],)
-    ms = paired_best_ms({name: (lambda rt=rt: rt.graphs(GraphKey(GraphKind.draft_decode, 1, 3), *inputs)) for name, rt in (("full", full), ("restricted", restricted))}, args.runs * 3)
-    return {"full_vocab": vocab, "draft_vocab": vocab // 4, "full": ms["full"] / 2, "restricted": ms["restricted"] / 2}
+    ms = paired_best_ms(
+        {
+            name: (lambda rt=rt: rt.graphs(GraphKey(GraphKind.draft_decode, 1, 3), *inputs))
+            for name, rt in (("full", full), ("restricted", restricted))
+        },
+        args.runs * 3,
+    )
+    return {
+        "full_vocab": vocab,
+        "draft_vocab": vocab // 4,
+        "full": ms["full"] / 2,
+        "restricted": ms["restricted"] / 2,
+    }
 
 
 def step_noise(k: int, batch: int, device: str) -> tuple[torch.Tensor, ...]:
@@ -207,7 +321,11 @@ def step_noise(k: int, batch: int, device: str) -> tuple[torch.Tensor, ...]:
 
 def verify_inputs(k: int, args: argparse.Namespace, batch: int = 1) -> tuple[torch.Tensor, ...]:
     """target_verify's step tensors at depth k for requests in slots 0..batch-1, each prompt_len long."""
-    return torch.arange(batch, device=args.device), torch.full((batch,), args.prompt_len, device=args.device), step_noise(k, batch, args.device)[1]
+    return (
+        torch.arange(batch, device=args.device),
+        torch.full((batch,), args.prompt_len, device=args.device),
+        step_noise(k, batch, args.device)[1],
+    )
 
 
 def verify_call(rt: Runtime, k: int, args: argparse.Namespace, batch: int = 1) -> Callable[[], object]:
@@ -238,8 +356,19 @@ def capacity_ms(model: torch.nn.Module, args: argparse.Namespace) -> dict[int, d
     e2e runs' length ("short", all passes)."""
     calls = {}
     for batch in (1, 8):
-        for name, capacity, passes in (("short", short_capacity(args), available()), ("traced", CAPACITY, without(["live_attention"])), ("live", CAPACITY, available())):
-            rt = Runtime(model, mtp_depth=3, batch_sizes=(batch,), max_seq_len=capacity, prefill_chunk=args.prompt_len, passes=passes)
+        for name, capacity, passes in (
+            ("short", short_capacity(args), available()),
+            ("traced", CAPACITY, without(["live_attention"])),
+            ("live", CAPACITY, available()),
+        ):
+            rt = Runtime(
+                model,
+                mtp_depth=3,
+                batch_sizes=(batch,),
+                max_seq_len=capacity,
+                prefill_chunk=args.prompt_len,
+                passes=passes,
+            )
             calls[batch, name] = verify_call(rt, 3, args, batch)
     ms = paired_best_ms(calls, args.runs * 3)
     return {batch: {name: ms[batch, name] for name in ("short", "traced", "live")} for batch in (1, 8)}
@@ -253,23 +382,35 @@ def verify_weight_bytes(rt: Runtime, k: int, args: argparse.Namespace) -> dict[s
     only the rows' own. The routing is the eager step's on a copy of the state, recorded at each
     router."""
     model, routed = rt.model, []
-    hooks = [m.register_forward_hook(lambda _m, _x, out: routed.append(out[0])) for m in model.modules() if isinstance(m, Router)]
+    hooks = [
+        m.register_forward_hook(lambda _m, _x, out: routed.append(out[0]))
+        for m in model.modules()
+        if isinstance(m, Router)
+    ]
     try:
         steps.target_verify(model, copy.deepcopy(rt.state), *verify_inputs(k, args))
     finally:
         for hook in hooks:
             hook.remove()
-    experts = [m for m in model.modules() if isinstance(m, Experts)][: len(routed)]  # the target's, in layer order
+    experts = [m for m in model.modules() if isinstance(m, Experts)][
+        : len(routed)
+    ]  # the target's, in layer order
     mtp = {id(p) for layer in model.model.layers[model.cfg.num_hidden_layers :] for p in layer.parameters()}
     embed = model.model.embed_tokens.weight
-    dense = sum(p.nbytes for p in model.parameters() if id(p) not in mtp) - embed.nbytes + (k + 1) * embed[0].nbytes
+    dense = (
+        sum(p.nbytes for p in model.parameters() if id(p) not in mtp)
+        - embed.nbytes
+        + (k + 1) * embed[0].nbytes
+    )
     dense -= sum(p.nbytes for layer_experts in experts for p in layer_experts.parameters())
     read = {"routed": dense, "gathered": dense}
     for layer_experts, idx in zip(experts, routed):
         n_experts = layer_experts.gate_proj.shape[0]
         each = sum(p.nbytes for p in layer_experts.parameters()) // n_experts
         read["routed"] += each * idx.unique().numel()
-        read["gathered"] += each * (idx.numel() if layer_experts.gathers(*idx.shape, idx.device) else n_experts)
+        read["gathered"] += each * (
+            idx.numel() if layer_experts.gathers(*idx.shape, idx.device) else n_experts
+        )
     return read
 
 
@@ -282,8 +423,15 @@ def lm_head_ms(model: torch.nn.Module, passes: tuple[str, ...], runs: int) -> di
 
     calls = {}
     for rows in (1, 4):
-        compiled = torch.compile(own_code(head, f"lm_head_{rows}_{len(passes)}"), fullgraph=True, dynamic=False, options=inductor_options(passes))
-        calls[rows] = lambda c=compiled, x=torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device): c(x)
+        compiled = torch.compile(
+            own_code(head, f"lm_head_{rows}_{len(passes)}"),
+            fullgraph=True,
+            dynamic=False,
+            options=inductor_options(passes),
+        )
+        calls[rows] = partial(
+            compiled, torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
+        )
     return paired_best_ms(calls, runs)
 
 
@@ -311,27 +459,53 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=("sampling", "e2e", "both"), default="both")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
-    parser.add_argument("--depths", type=int, nargs="+", default=None, help="default: 1 2 3 (sampling), 0 1 2 3 (e2e)")
+    parser.add_argument(
+        "--depths", type=int, nargs="+", default=None, help="default: 1 2 3 (sampling), 0 1 2 3 (e2e)"
+    )
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="the e2e model's")
-    parser.add_argument("--preset", choices=("250m", "dsv3-proportions"), default="250m", help="the e2e model")
-    parser.add_argument("--pass-sets", nargs="+", choices=("off", "on"), default=["off", "on"], help="e2e: which pass sets to time")
+    parser.add_argument(
+        "--preset", choices=("250m", "dsv3-proportions"), default="250m", help="the e2e model"
+    )
+    parser.add_argument(
+        "--pass-sets",
+        nargs="+",
+        choices=("off", "on"),
+        default=["off", "on"],
+        help="e2e: which pass sets to time",
+    )
     parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/passes-<device>.json")
     args = parser.parse_args()
     args.out = args.out or ROOT / "benchmarks" / f"passes-{args.device}.json"
     torch.manual_seed(0)
-    device = torch.cuda.get_device_name() if args.device == "cuda" else f"cpu, {torch.get_num_threads()} threads"
-    result = {**_other_parts(args.out, args.part), "torch": torch.__version__, "device": device, "dtype": args.dtype}
+    device = (
+        torch.cuda.get_device_name() if args.device == "cuda" else f"cpu, {torch.get_num_threads()} threads"
+    )
+    result = {
+        **_other_parts(args.out, args.part),
+        "torch": torch.__version__,
+        "device": device,
+        "dtype": args.dtype,
+    }
     if args.part in ("sampling", "both"):
         print(f"verify sampling at vocab {VOCAB} (best of {args.runs}):", flush=True)
-        result["sampling"] = bench_sampling(argparse.Namespace(**{**vars(args), "depths": args.depths or [1, 2, 3]}))
+        result["sampling"] = bench_sampling(
+            argparse.Namespace(**{**vars(args), "depths": args.depths or [1, 2, 3]})
+        )
     if args.part in ("e2e", "both"):
-        print(f"end to end, random {args.preset} checkpoint, B=1 (tokens/s SIMULATED with the shipped model's acceptance):", flush=True)
+        print(
+            f"end to end, random {args.preset} checkpoint, B=1 "
+            "(tokens/s SIMULATED with the shipped model's acceptance):",
+            flush=True,
+        )
         result["e2e"] = bench_e2e(argparse.Namespace(**{**vars(args), "depths": args.depths or [0, 1, 2, 3]}))
-    result["runs"] = {**result.get("runs", {}), **{part: _commit() for part in ("sampling", "e2e") if args.part in (part, "both")}}
+    result["runs"] = {
+        **result.get("runs", {}),
+        **{part: _commit() for part in ("sampling", "e2e") if args.part in (part, "both")},
+    }
     args.out.write_text(json.dumps(result, indent=1))
     print(f"wrote {args.out}")
 
@@ -350,8 +524,16 @@ def _commit() -> str:
     """The commit measured (with `+` when the engine's code or this script has changes), or `unknown`
     outside a checkout."""
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "compiled_mtp", __file__], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "compiled_mtp", __file__],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("+" if dirty.strip() else "")

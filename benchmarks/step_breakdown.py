@@ -37,13 +37,17 @@ KINDS = [
     ("sampling", r"compiled_mtp::(greedy|verify|draft)_sample"),
     ("Inductor-generated C++ (norms, rope, one-row linears, elementwise)", r"^graph_\d+_cpp_fused"),
 ]
-OUTER = re.compile(r"^(## Call CompiledFxGraph|Torch-Compiled Region|TorchDynamo|AOTDispatcher|Pregraph|ProfilerStep)")
+OUTER = re.compile(
+    r"^(## Call CompiledFxGraph|Torch-Compiled Region|TorchDynamo|AOTDispatcher|Pregraph|ProfilerStep)"
+)
 
 
 def engine_breakdown(model_dir: Path, prompt: list[int], steps: int) -> dict:
     """Per-kind milliseconds of one K=0 decode step, from `steps` profiled steps."""
     inductor_config.cpp.enable_kernel_profile = True
-    rt = Runtime.from_pretrained(model_dir, mtp_depth=0, batch_sizes=(1,), max_seq_len=len(prompt) + steps + 1, cache_dir=None)
+    rt = Runtime.from_pretrained(
+        model_dir, mtp_depth=0, batch_sizes=(1,), max_seq_len=len(prompt) + steps + 1, cache_dir=None
+    )
     params = SamplingParams(max_new_tokens=steps + 1, ignore_eos=True)
     rt.generate([prompt], params)  # compiles
     rt.add_request(prompt, params)
@@ -61,7 +65,12 @@ def engine_breakdown(model_dir: Path, prompt: list[int], steps: int) -> dict:
             continue
         kind = next((name for name, pattern in KINDS if re.search(pattern, event.key)), "other aten ops")
         kinds[kind] += event.self_cpu_time_total / 1e3 / decoded
-    return {"steps": decoded, "profiled_ms_per_step": 1e3 * wall / decoded, "graph_ms_per_step": 1e3 * (rt.graphs.seconds - graph_before) / decoded, "kinds_ms": dict(kinds)}
+    return {
+        "steps": decoded,
+        "profiled_ms_per_step": 1e3 * wall / decoded,
+        "graph_ms_per_step": 1e3 * (rt.graphs.seconds - graph_before) / decoded,
+        "kinds_ms": dict(kinds),
+    }
 
 
 def llama_cpp_timings(model_dir: Path, prompt: list[int], steps: int, runs: int = 3) -> dict:
@@ -70,14 +79,22 @@ def llama_cpp_timings(model_dir: Path, prompt: list[int], steps: int, runs: int 
 
     best = None
     with tempfile.TemporaryDirectory() as folder:
-        peer = LlamaCpp(export_gguf(model_dir, Path(folder) / "model.gguf"), context=len(prompt) + steps + 1, threads=torch.get_num_threads())
+        peer = LlamaCpp(
+            export_gguf(model_dir, Path(folder) / "model.gguf"),
+            context=len(prompt) + steps + 1,
+            threads=torch.get_num_threads(),
+        )
         for _ in range(runs + 1):  # the first warms up
             llama_cpp.llama_perf_context_reset(peer.llm.ctx)
             start = time.perf_counter()
             peer.generate(prompt, steps)
             wall = time.perf_counter() - start
             data = llama_cpp.llama_perf_context(peer.llm.ctx)
-            run = {"prompt_ms": data.t_p_eval_ms, "eval_ms_per_token": data.t_eval_ms / max(data.n_eval, 1), "wall_ms_per_token": 1e3 * wall / steps}
+            run = {
+                "prompt_ms": data.t_p_eval_ms,
+                "eval_ms_per_token": data.t_eval_ms / max(data.n_eval, 1),
+                "wall_ms_per_token": 1e3 * wall / steps,
+            }
             best = run if best is None or run["eval_ms_per_token"] < best["eval_ms_per_token"] else best
     return best
 
@@ -94,12 +111,18 @@ def main() -> None:
     if llama_cpp_peer.available():
         result["llama_cpp"] = llama_cpp_timings(args.model, prompt, args.steps)
     engine = result["engine"]
-    print(f"engine K=0 step, {engine['steps']} steps profiled: {engine['graph_ms_per_step']:.3f} ms in the graph, {engine['profiled_ms_per_step']:.3f} ms a step under the profiler")
+    print(
+        f"engine K=0 step, {engine['steps']} steps profiled: {engine['graph_ms_per_step']:.3f} ms in the graph, "
+        f"{engine['profiled_ms_per_step']:.3f} ms a step under the profiler"
+    )
     for kind, ms in sorted(engine["kinds_ms"].items(), key=lambda kv: -kv[1]):
         print(f"  {ms:7.3f} ms  {kind}")
     if "llama_cpp" in result:
         ll = result["llama_cpp"]
-        print(f"llama.cpp: {ll['eval_ms_per_token']:.3f} ms a token in its eval counter, {ll['wall_ms_per_token']:.3f} ms a token of wall time (prompt {ll['prompt_ms']:.1f} ms)")
+        print(
+            f"llama.cpp: {ll['eval_ms_per_token']:.3f} ms a token in its eval counter, "
+            f"{ll['wall_ms_per_token']:.3f} ms a token of wall time (prompt {ll['prompt_ms']:.1f} ms)"
+        )
     else:
         print(f"llama.cpp: not run ({llama_cpp_peer.MISSING})")
     if args.out:

@@ -3,5 +3,5 @@
 from .capture.profile import DEFAULT_MODEL
 from .runtime import RequestOutput, Runtime, SamplingParams, StepOutput
 
-__all__ = ["Runtime", "SamplingParams", "RequestOutput", "StepOutput", "DEFAULT_MODEL"]
+__all__ = ["DEFAULT_MODEL", "RequestOutput", "Runtime", "SamplingParams", "StepOutput"]
 __version__ = "0.1.0"

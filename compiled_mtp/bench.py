@@ -38,9 +38,10 @@ import json
 import platform
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -48,13 +49,13 @@ from . import corpus, hf_baseline, llama_cpp_peer
 from .capture.cache import user_cache
 from .capture.compiler import BACKENDS
 from .capture.profile import DEFAULT_MODEL
-from .passes.manager import add_pass_switch, without
-from .models.checkpoint import load_model
 from .llama_cpp_peer import LlamaCpp
+from .models.checkpoint import load_model
 from .models.draft_vocab import read_ranking
-from .models.gguf_export import export_gguf
 from .models.family import CausalLM
+from .models.gguf_export import export_gguf
 from .models.layers import Experts
+from .passes.manager import add_pass_switch, without
 from .runtime import DTYPES, Runtime, SamplingParams, acceptance_length, check_device
 from .tokenizer import Tokenizer
 
@@ -199,7 +200,11 @@ def random_prompts(vocab_size: int, count: int, length: int, seed: int = 0) -> P
     """Seeded random token ids, for checkpoints without a tokenizer."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab_size, (count, length), generator=gen).tolist()
-    return Prompts(ids, "random", f"{count} random prompts of {length} token ids (seed {seed}): the checkpoint has no tokenizer")
+    return Prompts(
+        ids,
+        "random",
+        f"{count} random prompts of {length} token ids (seed {seed}): the checkpoint has no tokenizer",
+    )
 
 
 def held_out_prompts(model_dir: Path, count: int, length: int) -> Prompts:
@@ -208,8 +213,14 @@ def held_out_prompts(model_dir: Path, count: int, length: int) -> Prompts:
     _, held = corpus.split(corpus.stdlib_files())
     ids = corpus.acceptance_prompts(Tokenizer(model_dir / "tokenizer.json").encode, held, count, length)
     if len(ids) < count:
-        raise ValueError(f"prompt-len: only {len(ids)} of {len(held)} held-out files have {3 * length} tokens, {count} prompts are needed; use a shorter --prompt-len")
-    detail = f"{count} prompts of {length} tokens from {len(held)} held-out stdlib files (compiled_mtp/corpus.py split, Python {platform.python_version()})"
+        raise ValueError(
+            f"prompt-len: only {len(ids)} of {len(held)} held-out files have {3 * length} "
+            f"tokens, {count} prompts are needed; use a shorter --prompt-len"
+        )
+    detail = (
+        f"{count} prompts of {length} tokens from {len(held)} held-out stdlib files "
+        f"(compiled_mtp/corpus.py split, Python {platform.python_version()})"
+    )
     return Prompts(ids, "held-out", detail)
 
 
@@ -253,7 +264,10 @@ def timed_generate(rt: Runtime, prompts: list[list[int]], params: SamplingParams
         rt.step()
     end, after = time.perf_counter(), rt.stats()
     return Timing(
-        end - start, end - first, after["decode_steps"] - before["decode_steps"], after["host_seconds"] - before["host_seconds"],
+        end - start,
+        end - first,
+        after["decode_steps"] - before["decode_steps"],
+        after["host_seconds"] - before["host_seconds"],
         after["request_steps"] - initial,
     )
 
@@ -263,7 +277,15 @@ def measure_acceptance(rt: Runtime, prompts: list[list[int]], new_tokens: int) -
     rt.generate(prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
     s = rt.stats()
     rate = s["accepted_tokens"] / s["draft_tokens"] if s["draft_tokens"] else 0.0
-    return Acceptance(rt.mtp_depth, s["acceptance_length"], rate, s["acceptance_rate_per_position"], s["draft_tokens"], s["accepted_tokens"])
+    assert isinstance(rt.mtp_depth, int), "acceptance is measured at a fixed depth"
+    return Acceptance(
+        rt.mtp_depth,
+        s["acceptance_length"],
+        rate,
+        s["acceptance_rate_per_position"],
+        s["draft_tokens"],
+        s["accepted_tokens"],
+    )
 
 
 def engine_run(k: int | str, prompts: list[list[int]], new_tokens: int, timings: list[Timing]) -> EngineRun:
@@ -275,7 +297,15 @@ def engine_run(k: int | str, prompts: list[list[int]], new_tokens: int, timings:
     iteration = best.decode_seconds / best.decode_steps
     host = best.host_seconds / best.decode_steps
     return EngineRun(
-        k, b, b * new_tokens / best.seconds, best.seconds, 1e3 * iteration, 1e3 * host, host / iteration, length, best.decode_steps
+        k,
+        b,
+        b * new_tokens / best.seconds,
+        best.seconds,
+        1e3 * iteration,
+        1e3 * host,
+        host / iteration,
+        length,
+        best.decode_steps,
     )
 
 
@@ -285,10 +315,15 @@ def _runtimes(model: CausalLM, args: argparse.Namespace) -> dict[int | str, Runt
     systems = list(args.depths) + ["auto"] * (len(args.depths) > 1 and max(args.depths) > 0)
     return {
         k: Runtime(
-            model, mtp_depth=k, mtp_depths=args.depths if k == "auto" else None, batch_sizes=args.batch_sizes,
+            model,
+            mtp_depth=k,
+            mtp_depths=args.depths if k == "auto" else None,
+            batch_sizes=args.batch_sizes,
             max_seq_len=args.prompt_len + args.new_tokens,
             prefill_chunk=min(64, args.prompt_len),  # the runtime's default chunk, which must fit max_seq_len
-            compile_backend=args.backend, cache_dir=None if args.no_cache else args.cache_dir, passes=without(args.disable_pass),
+            compile_backend=args.backend,
+            cache_dir=None if args.no_cache else args.cache_dir,
+            passes=without(args.disable_pass),
         )
         for k in systems
     }
@@ -303,8 +338,10 @@ def bench_engine(
     runtimes = _runtimes(model, args)
     acceptance = []
     for k, rt in runtimes.items():
-        if k != "auto" and k > 0:
-            acceptance.append(measure_acceptance(rt, prompts.token_ids[: args.accept_prompts], args.new_tokens))
+        if isinstance(k, int) and k > 0:  # not "auto"
+            acceptance.append(
+                measure_acceptance(rt, prompts.token_ids[: args.accept_prompts], args.new_tokens)
+            )
             print(f"  K={k}: acceptance length {acceptance[-1].acceptance_length:.2f}", flush=True)
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     runs, peer_runs = [], []
@@ -315,14 +352,14 @@ def bench_engine(
         if peer is not None and b == 1:
             peer.generate(batch[0], args.new_tokens)
         timings: dict[int | str, list[Timing]] = {k: [] for k in runtimes}
-        depths_before = runtimes.get("auto") and runtimes["auto"].stats()["depth_histogram"]
+        depths_before = runtimes["auto"].stats()["depth_histogram"] if "auto" in runtimes else {}
         peer_seconds: list[float] = []
         for _ in range(args.runs):
             for k, rt in runtimes.items():
                 timings[k].append(timed_generate(rt, batch, params))
             if peer is not None and b == 1:
                 peer_seconds.append(_peer_seconds(peer, batch[0], args.new_tokens))
-        if peer_seconds:
+        if peer is not None and peer_seconds:
             expected = next(iter(runtimes.values())).generate(batch, params)[0].token_ids
             peer_runs.append(peer_run(peer.generate(batch[0], args.new_tokens), expected, peer_seconds))
             print(f"  llama.cpp B=1: {peer_runs[-1].tokens_per_s:.1f} tok/s", flush=True)
@@ -330,7 +367,9 @@ def bench_engine(
             runs.append(engine_run(k, batch, args.new_tokens, timings[k]))
             if k == "auto":
                 after = rt.stats()["depth_histogram"]
-                runs[-1].depth_histogram = {d: n - depths_before.get(d, 0) for d, n in after.items() if n > depths_before.get(d, 0)}
+                runs[-1].depth_histogram = {
+                    d: n - depths_before.get(d, 0) for d, n in after.items() if n > depths_before.get(d, 0)
+                }
             print(f"  K={k} B={b}: {runs[-1].tokens_per_s:.1f} tok/s", flush=True)
     stats = [rt.stats() for rt in runtimes.values()]
     return acceptance, runs, peer_runs, sum(s["compiles"] for s in stats), sum(s["recompiles"] for s in stats)
@@ -372,16 +411,28 @@ def bench_hf(path: Path, prompts: list[list[int]], args: argparse.Namespace) -> 
     n = args.new_tokens
     rows = []
     for b in args.batch_sizes:
-        seconds = _best_of(args.runs, args.device, lambda: hf_baseline.hf_generate(model, prompts[:b], n))
+        seconds = _best_of(args.runs, args.device, partial(hf_baseline.hf_generate, model, prompts[:b], n))
         rows.append(HFRun("generate", 0, b, b * n / seconds, seconds))
         print(f"  HF generate B={b}: {rows[-1].tokens_per_s:.1f} tok/s", flush=True)
     k = model.config.num_nextn_predict_layers
     if k and max(args.depths) > 0:
         outputs = []
-        seconds = _best_of(args.runs, args.device, lambda: outputs.append(hf_baseline.hf_mtp_generate(model, prompts[0], n)))
+        seconds = _best_of(
+            args.runs, args.device, lambda: outputs.append(hf_baseline.hf_mtp_generate(model, prompts[0], n))
+        )
         accepted = outputs[-1][1]  # greedy: every run accepts the same drafts
         # As for the engine: the n - 1 tokens after the prefill's, per verification step.
-        rows.append(HFRun("generate(use_mtp=True)", k, 1, n / seconds, seconds, (n - 1) / len(accepted), sum(accepted) / (k * len(accepted))))
+        rows.append(
+            HFRun(
+                "generate(use_mtp=True)",
+                k,
+                1,
+                n / seconds,
+                seconds,
+                (n - 1) / len(accepted),
+                sum(accepted) / (k * len(accepted)),
+            )
+        )
         print(f"  HF generate(use_mtp=True) B=1: {rows[-1].tokens_per_s:.1f} tok/s", flush=True)
     return rows, model.config._attn_implementation
 
@@ -395,7 +446,9 @@ def _layer_bytes(layer: torch.nn.Module, num_experts_per_tok: int) -> int:
     total = 0
     for module in layer.modules():
         own = sum(p.nbytes for p in module.parameters(recurse=False))
-        total += own * num_experts_per_tok // module.gate_proj.shape[0] if isinstance(module, Experts) else own
+        total += (
+            own * num_experts_per_tok // module.gate_proj.shape[0] if isinstance(module, Experts) else own
+        )
     return total
 
 
@@ -429,7 +482,9 @@ def copy_bandwidth(device: str, megabytes: int, runs: int = 5) -> float:
     return 2 * src.nbytes / best
 
 
-def bandwidth_bound(target: int, mtp: list[int], bandwidth: float, copy_bytes: int, depths: list[int]) -> Bound:
+def bandwidth_bound(
+    target: int, mtp: list[int], bandwidth: float, copy_bytes: int, depths: list[int]
+) -> Bound:
     """Depth j drafts with MTP layer j % (number of layers), as the engine does."""
     steps = {k: bandwidth / (target + sum(mtp[j % len(mtp)] for j in range(k))) for k in depths}
     return Bound(copy_bytes, bandwidth, target, mtp, steps)
@@ -439,7 +494,7 @@ def add_bounds(engine: list[EngineRun], bound: Bound) -> None:
     """Each row's bandwidth bound, and its speedup over K=0 at its B beside the bound's. Auto's bound is
     the best fixed depth's at its B."""
     for e in engine:
-        if e.k != "auto":
+        if isinstance(e.k, int):  # not "auto"
             e.bound_tokens_per_s = e.batch * e.acceptance_length * bound.steps_per_s[e.k]
     for e in engine:
         fixed = [r for r in engine if r.batch == e.batch and r.k != "auto"]
@@ -471,7 +526,14 @@ def _speedup_goal(runs: list[EngineRun], b: int, goal: float) -> list[Goal]:
     fraction = f"K={best.k}: {best.speedup:.2f}x of a bound of {best.bound_speedup:.2f}x"
     return [
         Goal(f"speedup_b{b}", name, best.speedup, goal, best.speedup >= goal, detail),
-        Goal(f"bound_fraction_b{b}", f"{name}, share of its bound", best.bound_fraction, 0.8, best.bound_fraction >= 0.8, fraction),
+        Goal(
+            f"bound_fraction_b{b}",
+            f"{name}, share of its bound",
+            best.bound_fraction,
+            0.8,
+            best.bound_fraction >= 0.8,
+            fraction,
+        ),
     ]
 
 
@@ -484,8 +546,20 @@ def _auto_goals(runs: list[EngineRun]) -> list[Goal]:
         best = max(fixed, key=lambda r: r.tokens_per_s)
         goal = 0.98 if best.k == 0 else 0.97
         value = auto.tokens_per_s / best.tokens_per_s
-        detail = f"{auto.tokens_per_s:.1f} vs K={best.k} {best.tokens_per_s:.1f} tok/s; steps per depth {auto.depth_histogram}"
-        out.append(Goal(f"auto_b{auto.batch}", f"auto vs best fixed K at B={auto.batch}", value, goal, value >= goal, detail))
+        detail = (
+            f"{auto.tokens_per_s:.1f} vs K={best.k} {best.tokens_per_s:.1f} tok/s"
+            f"; steps per depth {auto.depth_histogram}"
+        )
+        out.append(
+            Goal(
+                f"auto_b{auto.batch}",
+                f"auto vs best fixed K at B={auto.batch}",
+                value,
+                goal,
+                value >= goal,
+                detail,
+            )
+        )
     return out
 
 
@@ -495,37 +569,84 @@ def _peer_goals(result: BenchResult) -> list[Goal]:
     base = _engine_row(result.engine, 0, 1)
     best = max((r for r in result.engine if r.batch == 1), key=lambda r: r.tokens_per_s, default=None)
     out = []
-    for gid, name, row, goal in (("vs_llama_cpp_k0", "K=0 vs llama.cpp at B=1", base, 1.0), ("vs_llama_cpp_best", "best K vs llama.cpp at B=1", best, 1.5)):
+    for gid, name, row, goal in (
+        ("vs_llama_cpp_k0", "K=0 vs llama.cpp at B=1", base, 1.0),
+        ("vs_llama_cpp_best", "best K vs llama.cpp at B=1", best, 1.5),
+    ):
         if peer is None or row is None:
-            out.append(Goal(gid, name, None, goal, None, "not measured (needs B=1, K=0 and llama-cpp-python)"))
+            out.append(
+                Goal(gid, name, None, goal, None, "not measured (needs B=1, K=0 and llama-cpp-python)")
+            )
             continue
         value = row.tokens_per_s / peer.tokens_per_s
-        out.append(Goal(gid, name, value, goal, value >= goal, f"K={row.k}: {row.tokens_per_s:.1f} vs {peer.tokens_per_s:.1f} tok/s"))
+        out.append(
+            Goal(
+                gid,
+                name,
+                value,
+                goal,
+                value >= goal,
+                f"K={row.k}: {row.tokens_per_s:.1f} vs {peer.tokens_per_s:.1f} tok/s",
+            )
+        )
     return out
 
 
 def goals(result: BenchResult) -> list[Goal]:
     """The ratios the issue's goals are about, then best K against HF generate at each B for context."""
-    out = _speedup_goal(result.engine, 1, 1.8) + _speedup_goal(result.engine, 4, 1.3) + _auto_goals(result.engine)
+    out = (
+        _speedup_goal(result.engine, 1, 1.8)
+        + _speedup_goal(result.engine, 4, 1.3)
+        + _auto_goals(result.engine)
+    )
     hf_mtp = next((h for h in result.hf if h.k > 0), None)
     best1 = max((r for r in result.engine if r.batch == 1), key=lambda r: r.tokens_per_s, default=None)
     name = "best K at B=1 vs HF generate(use_mtp=True)"
     if hf_mtp and best1:
         value = best1.tokens_per_s / hf_mtp.tokens_per_s
-        out.append(Goal("vs_hf_mtp_b1", name, value, 5.0, value >= 5.0, f"K={best1.k}: {best1.tokens_per_s:.1f} vs {hf_mtp.tokens_per_s:.1f} tok/s"))
+        out.append(
+            Goal(
+                "vs_hf_mtp_b1",
+                name,
+                value,
+                5.0,
+                value >= 5.0,
+                f"K={best1.k}: {best1.tokens_per_s:.1f} vs {hf_mtp.tokens_per_s:.1f} tok/s",
+            )
+        )
     else:
         out.append(Goal("vs_hf_mtp_b1", name, None, 5.0, None, "not measured (needs B=1 and a depth > 0)"))
     out += _peer_goals(result)
     k1 = next((a for a in result.acceptance if a.k == 1), None)
     if k1:
-        out.append(Goal("k1_acceptance", "K=1 acceptance", k1.acceptance_rate, 0.7, k1.acceptance_rate >= 0.7, f"{k1.accepted_tokens} of {k1.draft_tokens} drafts"))
+        out.append(
+            Goal(
+                "k1_acceptance",
+                "K=1 acceptance",
+                k1.acceptance_rate,
+                0.7,
+                k1.acceptance_rate >= 0.7,
+                f"{k1.accepted_tokens} of {k1.draft_tokens} drafts",
+            )
+        )
     else:
         out.append(Goal("k1_acceptance", "K=1 acceptance", None, 0.7, None, "not measured (needs K=1)"))
     for h in result.hf:
-        best = max((r for r in result.engine if r.batch == h.batch), key=lambda r: r.tokens_per_s, default=None)
+        best = max(
+            (r for r in result.engine if r.batch == h.batch), key=lambda r: r.tokens_per_s, default=None
+        )
         if h.k == 0 and best:
             value = best.tokens_per_s / h.tokens_per_s
-            out.append(Goal(f"vs_hf_generate_b{h.batch}", f"best K vs HF generate at B={h.batch}", value, None, None, f"K={best.k}: {best.tokens_per_s:.1f} vs {h.tokens_per_s:.1f} tok/s"))
+            out.append(
+                Goal(
+                    f"vs_hf_generate_b{h.batch}",
+                    f"best K vs HF generate at B={h.batch}",
+                    value,
+                    None,
+                    None,
+                    f"K={best.k}: {best.tokens_per_s:.1f} vs {h.tokens_per_s:.1f} tok/s",
+                )
+            )
     return out
 
 
@@ -534,19 +655,26 @@ def print_report(r: BenchResult) -> None:
     m, bound = r.meta, r.bound
     print(f"\ncompiled_mtp bench: {m.model}")
     drafts = f"; drafts among the {m.draft_vocab} most frequent tokens" if m.draft_vocab else ""
-    print(f"device: {m.device} ({m.device_name}); {m.dtype}; backend {m.backend}; {m.new_tokens} new tokens, greedy; best of {m.runs}{drafts}")
+    print(
+        f"device: {m.device} ({m.device_name}); {m.dtype}; backend {m.backend}"
+        f"; {m.new_tokens} new tokens, greedy; best of {m.runs}{drafts}"
+    )
     print(f"prompts: {m.prompts}")
     print(f"\nacceptance on {m.accept_prompts} prompts")
     print(f"{'K':>3}{'acc len':>9}{'rate':>7}  per position")
     for a in r.acceptance:
-        print(f"{a.k:>3}{a.acceptance_length:>9.2f}{a.acceptance_rate:>7.2f}  " + " ".join(f"{p:.2f}" for p in a.per_position))
+        print(
+            f"{a.k:>3}{a.acceptance_length:>9.2f}{a.acceptance_rate:>7.2f}  "
+            + " ".join(f"{p:.2f}" for p in a.per_position)
+        )
     print(
         f"\n{'system':<30}{'B':>3}{'tok/s':>10}{'bound':>10}{'ms/iter':>9}{'host ms':>9}{'host %':>8}{'acc len':>9}"
         f"{'vs K=0':>8}{'bound':>7}{'of it':>7}"
     )
     for e in r.engine:
         print(
-            f"{'compiled_mtp K=' + str(e.k):<30}{e.batch:>3}{e.tokens_per_s:>10.1f}{e.bound_tokens_per_s:>10.0f}{e.iteration_ms:>9.2f}"
+            f"{'compiled_mtp K=' + str(e.k):<30}{e.batch:>3}{e.tokens_per_s:>10.1f}"
+            f"{e.bound_tokens_per_s:>10.0f}{e.iteration_ms:>9.2f}"
             f"{e.host_ms:>9.3f}{100 * e.host_share:>8.1f}{e.acceptance_length:>9.2f}"
             f"{e.speedup:>7.2f}x{e.bound_speedup:>6.2f}x{100 * e.bound_fraction:>6.0f}%"
         )
@@ -554,11 +682,16 @@ def print_report(r: BenchResult) -> None:
         acc = f"{'':>36}{h.acceptance_length:>9.2f}" if h.acceptance_length is not None else ""
         print(f"{'HF ' + h.system:<30}{h.batch:>3}{h.tokens_per_s:>10.1f}{acc}")
     for p in r.peers:
-        same = "greedy tokens equal the engine's" if p.same_tokens else f"greedy tokens DIFFER from the engine's at token {p.first_difference}"
+        same = (
+            "greedy tokens equal the engine's"
+            if p.same_tokens
+            else f"greedy tokens DIFFER from the engine's at token {p.first_difference}"
+        )
         print(f"{p.system:<30}{p.batch:>3}{p.tokens_per_s:>10.1f}  {same}")
+    per_draft_step = ", ".join(f"{x / 1e6:.2f}" for x in bound.mtp_step_bytes) or "-"
     print(
         f"\nbound: copy bandwidth {bound.bandwidth_bytes_per_s / 1e9:.1f} GB/s; weights read per target forward "
-        f"{bound.target_bytes / 1e6:.2f} MB, per draft step {', '.join(f'{x / 1e6:.2f}' for x in bound.mtp_step_bytes) or '-'} MB; "
+        f"{bound.target_bytes / 1e6:.2f} MB, per draft step {per_draft_step} MB; "
         + ", ".join(f"K={k}: {s:.0f} steps/s" for k, s in bound.steps_per_s.items())
     )
     print(f"compiles {m.compiles}, recompiles {m.recompiles}")
@@ -566,7 +699,9 @@ def print_report(r: BenchResult) -> None:
     for g in r.goals:
         percent = g.id == "k1_acceptance" or g.id.startswith("bound_fraction")
         value = "n/a" if g.value is None else f"{100 * g.value:.0f}%" if percent else f"{g.value:.2f}x"
-        target = "" if g.goal is None else f"goal >= {100 * g.goal:.0f}%" if percent else f"goal >= {g.goal:g}x"
+        target = (
+            "" if g.goal is None else f"goal >= {100 * g.goal:.0f}%" if percent else f"goal >= {g.goal:g}x"
+        )
         verdict = "" if g.met is None else "met" if g.met else "NOT met"
         print(f"  {g.name:<48}{value:>8}  {target:<15}{verdict:<8}{g.detail}")
 
@@ -593,12 +728,22 @@ def plot(r: BenchResult, path: Path) -> None:
             if h.batch == b and h.k == 0:
                 ax.axhline(h.tokens_per_s, ls="--", color=color, label=f"HF generate B={b}")
             elif h.batch == b:
-                ax.plot([h.k], [h.tokens_per_s], "*", color=color, markersize=12, label=f"HF generate(use_mtp=True) B={b}")
+                ax.plot(
+                    [h.k],
+                    [h.tokens_per_s],
+                    "*",
+                    color=color,
+                    markersize=12,
+                    label=f"HF generate(use_mtp=True) B={b}",
+                )
     ax.set_yscale("log")
     ax.set_xticks(r.meta.depths)
     ax.set_xlabel("MTP depth K (draft tokens per step)")
     ax.set_ylabel("tokens/s (greedy)")
-    ax.set_title(f"{Path(r.meta.model).name}: {r.meta.device_name}, {r.meta.dtype}, {r.meta.new_tokens} new tokens", fontsize=10)
+    ax.set_title(
+        f"{Path(r.meta.model).name}: {r.meta.device_name}, {r.meta.dtype}, {r.meta.new_tokens} new tokens",
+        fontsize=10,
+    )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
@@ -616,7 +761,14 @@ def device_name(device: str) -> str:
     cpu = platform.processor() or platform.machine()
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
-        cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if line.startswith("model name")), cpu)
+        cpu = next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in cpuinfo.read_text().splitlines()
+                if line.startswith("model name")
+            ),
+            cpu,
+        )
     return f"CPU {cpu}, {torch.get_num_threads()} threads"
 
 
@@ -631,7 +783,9 @@ def _check(args: argparse.Namespace) -> None:
     if args.new_tokens < max(args.depths) + 3:
         # K + 3 tokens make every request decode at least two steps, whatever it accepts: the first step
         # also prefills, so the per-iteration figures need a second.
-        raise ValueError(f"new-tokens: must be >= max depth + 3 = {max(args.depths) + 3}, got {args.new_tokens}")
+        raise ValueError(
+            f"new-tokens: must be >= max depth + 3 = {max(args.depths) + 3}, got {args.new_tokens}"
+        )
     if args.prompt_len < 1 or args.accept_prompts < 1 or args.copy_mb < 1:
         raise ValueError("prompt-len, accept-prompts and copy-mb: must be >= 1")
     if not (args.model / "config.json").exists():
@@ -643,30 +797,85 @@ def _check(args: argparse.Namespace) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `compiled-mtp bench`."""
-    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="checkpoint directory (default: the shipped default model)")
-    parser.add_argument("--cache-dir", type=Path, default=user_cache(), help="capture cache directory (default: %(default)s)")
-    parser.add_argument("--no-cache", action="store_true", help="build every graph in this process, store none (default: use the cache)")
-    parser.add_argument("--backend", default="inductor", choices=BACKENDS, help="eager runs the step functions uncompiled (default: inductor)")
-    parser.add_argument("--dtype", default="float32", choices=tuple(DTYPES), help="engine and HF dtype (default: float32)")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
-    parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per request (default: 128)")
-    parser.add_argument("--depths", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="MTP depths K; a row at mtp_depth=\"auto\" over them is added (default: 0 1 2 3 4)")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16], help="batch sizes B (default: 1 4 16)")
     parser.add_argument(
-        "--draft-vocab", type=int, metavar="N", help="draft among the model's N most frequent tokens (default: every token)"
+        "--model",
+        type=Path,
+        default=DEFAULT_MODEL,
+        help="checkpoint directory (default: the shipped default model)",
     )
-    parser.add_argument("--runs", type=int, default=3, help="timed runs per row after a warm-up; the best counts (default: 3)")
+    parser.add_argument(
+        "--cache-dir", type=Path, default=user_cache(), help="capture cache directory (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="build every graph in this process, store none (default: use the cache)",
+    )
+    parser.add_argument(
+        "--backend",
+        default="inductor",
+        choices=BACKENDS,
+        help="eager runs the step functions uncompiled (default: inductor)",
+    )
+    parser.add_argument(
+        "--dtype", default="float32", choices=tuple(DTYPES), help="engine and HF dtype (default: float32)"
+    )
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
+    parser.add_argument(
+        "--new-tokens", type=int, default=128, help="tokens generated per request (default: 128)"
+    )
+    parser.add_argument(
+        "--depths",
+        type=int,
+        nargs="+",
+        default=[0, 1, 2, 3, 4],
+        help='MTP depths K; a row at mtp_depth="auto" over them is added (default: 0 1 2 3 4)',
+    )
+    parser.add_argument(
+        "--batch-sizes", type=int, nargs="+", default=[1, 4, 16], help="batch sizes B (default: 1 4 16)"
+    )
+    parser.add_argument(
+        "--draft-vocab",
+        type=int,
+        metavar="N",
+        help="draft among the model's N most frequent tokens (default: every token)",
+    )
+    parser.add_argument(
+        "--runs", type=int, default=3, help="timed runs per row after a warm-up; the best counts (default: 3)"
+    )
     parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (default: 64)")
-    parser.add_argument("--accept-prompts", type=int, default=24, help="prompts for the acceptance measurement (default: 24)")
-    parser.add_argument("--copy-mb", type=int, default=256, help="tensor size for the copy-bandwidth measurement (default: 256)")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks"), help="directory for bench-<device>.json and .png (default: benchmarks)")
-    parser.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp row (default: run it on CPU when llama-cpp-python is installed)")
+    parser.add_argument(
+        "--accept-prompts", type=int, default=24, help="prompts for the acceptance measurement (default: 24)"
+    )
+    parser.add_argument(
+        "--copy-mb",
+        type=int,
+        default=256,
+        help="tensor size for the copy-bandwidth measurement (default: 256)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("benchmarks"),
+        help="directory for bench-<device>.json and .png (default: benchmarks)",
+    )
+    parser.add_argument(
+        "--no-llama-cpp",
+        action="store_true",
+        help="skip the llama.cpp row (default: run it on CPU when llama-cpp-python is installed)",
+    )
     add_pass_switch(parser)
 
 
 def _llama_cpp(args: argparse.Namespace, model_type: str, folder: Path) -> LlamaCpp | None:
     """llama.cpp on a GGUF export of the model into `folder`, when it is installed and the device is the CPU."""
-    skipped = "--no-llama-cpp" if args.no_llama_cpp else "CPU only" if torch.device(args.device).type != "cpu" else None
+    skipped = (
+        "--no-llama-cpp"
+        if args.no_llama_cpp
+        else "CPU only"
+        if torch.device(args.device).type != "cpu"
+        else None
+    )
     if skipped is None and model_type != "deepseek_v3":
         skipped = f"the GGUF export writes DeepSeek-V3 checkpoints only, this is {model_type}"
     if skipped is None and not llama_cpp_peer.available():
@@ -687,16 +896,36 @@ def run(args: argparse.Namespace) -> None:
     except ModuleNotFoundError as e:
         raise SystemExit(f"error: {MATPLOTLIB_MISSING if e.name == 'matplotlib' else e}") from None
     args.depths, args.batch_sizes = sorted(set(args.depths)), sorted(set(args.batch_sizes))
-    model = load_model(args.model, dtype=DTYPES[args.dtype], device=args.device, with_mtp=max(args.depths) > 0)
+    model = load_model(
+        args.model, dtype=DTYPES[args.dtype], device=args.device, with_mtp=max(args.depths) > 0
+    )
     if args.draft_vocab is not None:
-        model.restrict_drafts(torch.tensor(read_ranking(args.model, model.cfg.vocab_size)[: args.draft_vocab]))
-    prompts = bench_prompts(args.model, model.cfg.vocab_size, max(args.accept_prompts, max(args.batch_sizes)), args.prompt_len)
+        model.restrict_drafts(
+            torch.tensor(read_ranking(args.model, model.cfg.vocab_size)[: args.draft_vocab])
+        )
+    prompts = bench_prompts(
+        args.model, model.cfg.vocab_size, max(args.accept_prompts, max(args.batch_sizes)), args.prompt_len
+    )
     meta = Meta(
-        model=str(args.model), device=args.device, device_name=device_name(args.device), dtype=args.dtype, backend=args.backend,
-        threads=torch.get_num_threads(), torch=torch.__version__, transformers=hf_version, python=platform.python_version(),
-        date=datetime.datetime.now().isoformat(timespec="seconds"), new_tokens=args.new_tokens, prompt_len=args.prompt_len,
-        runs=args.runs, depths=args.depths, batch_sizes=args.batch_sizes, prompt_source=prompts.source, prompts=prompts.detail,
-        accept_prompts=args.accept_prompts, draft_vocab=args.draft_vocab,
+        model=str(args.model),
+        device=args.device,
+        device_name=device_name(args.device),
+        dtype=args.dtype,
+        backend=args.backend,
+        threads=torch.get_num_threads(),
+        torch=torch.__version__,
+        transformers=hf_version,
+        python=platform.python_version(),
+        date=datetime.datetime.now().isoformat(timespec="seconds"),
+        new_tokens=args.new_tokens,
+        prompt_len=args.prompt_len,
+        runs=args.runs,
+        depths=args.depths,
+        batch_sizes=args.batch_sizes,
+        prompt_source=prompts.source,
+        prompts=prompts.detail,
+        accept_prompts=args.accept_prompts,
+        draft_vocab=args.draft_vocab,
     )
     print(f"benchmarking {args.model} on {meta.device_name}; prompts: {prompts.detail}", flush=True)
     target_bytes, mtp_bytes = weight_bytes(model)

@@ -47,13 +47,17 @@ def _parse_ids(text: str) -> list[int]:
 def _prompt_texts(args: argparse.Namespace) -> list[str]:
     """The prompt given on the command line, or each non-blank line of --prompts-file."""
     if (args.prompt is None) == (args.prompts_file is None):
-        raise ValueError("prompt: give a prompt or --prompts-file" + (", not both" if args.prompt is not None else ""))
+        raise ValueError(
+            "prompt: give a prompt or --prompts-file" + (", not both" if args.prompt is not None else "")
+        )
     if args.prompt is not None:
         return [args.prompt]
     try:
         lines = args.prompts_file.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"prompts-file: cannot read {args.prompts_file} ({e.__class__.__name__}: {e})") from None
+        raise ValueError(
+            f"prompts-file: cannot read {args.prompts_file} ({e.__class__.__name__}: {e})"
+        ) from None
     texts = [line for line in lines if line.strip()]
     if not texts:
         raise ValueError(f"prompts-file: {args.prompts_file} holds no prompts (one per line)")
@@ -63,17 +67,23 @@ def _prompt_texts(args: argparse.Namespace) -> list[str]:
 def _engine_options(args: argparse.Namespace, profile: Profile | None) -> dict:
     """Runtime settings: a flag given on the command line, else the profile's, else ENGINE_DEFAULTS.
     With the profile's settings the runtime's graphs are the ones `capture` stored for it."""
-    options = profile.runtime_options() if profile else {"mtp_depth": 3, "batch_sizes": (1,), **ENGINE_DEFAULTS}
+    options = (
+        profile.runtime_options() if profile else {"mtp_depth": 3, "batch_sizes": (1,), **ENGINE_DEFAULTS}
+    )
     options |= {name: getattr(args, name) for name in ENGINE_DEFAULTS if getattr(args, name) is not None}
     cache_dir = None if getattr(args, "no_cache", False) else args.cache_dir
-    return options | {"compile_backend": getattr(args, "backend", "inductor"), "cache_dir": cache_dir, "passes": without(args.disable_pass)}
+    return options | {
+        "compile_backend": getattr(args, "backend", "inductor"),
+        "cache_dir": cache_dir,
+        "passes": without(args.disable_pass),
+    }
 
 
 def _size(n: int) -> str:
     return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.0f} kB"
 
 
-def _report(rt: Runtime, outs, seconds: float) -> None:
+def _report(rt: Runtime, outs: list[RequestOutput], seconds: float) -> None:
     tokens = sum(len(o.token_ids) for o in outs)
     s = rt.stats()
     rates = ", ".join(f"{r:.2f}" for r in s["acceptance_rate_per_position"]) or "-"
@@ -119,18 +129,25 @@ class _Text:
         """Trailing characters the next tokens may still change: bytes of an incomplete UTF-8 character
         (decoded as U+FFFD) or the beginning of a stop string."""
         settled = text.rstrip("\ufffd")
-        return len(text) - len(settled) + max([0] + [n for s in self.stops for n in range(1, len(s)) if settled.endswith(s[:n])])
+        return (
+            len(text)
+            - len(settled)
+            + max([0] + [n for s in self.stops for n in range(1, len(s)) if settled.endswith(s[:n])])
+        )
 
     def take(self) -> str:
         """The text not written yet; once finished, with its finish line."""
         chunk, self.unwritten = self.unwritten, ""
         if self.out is not None:
             reason = "stop" if self.stopped else self.out.finish_reason
-            chunk += f"\nfinish_reason={reason} drafted={self.out.num_draft_tokens} accepted={self.out.num_accepted_tokens}\n"
+            out = self.out
+            chunk += f"\nfinish_reason={reason} drafted={out.num_draft_tokens} accepted={out.num_accepted_tokens}\n"
         return chunk
 
 
-def _run(rt: Runtime, prompts: list, heads: list[str], params: SamplingParams, stops: list[str], stream: bool) -> list[RequestOutput]:
+def _run(
+    rt: Runtime, prompts: list, heads: list[str], params: SamplingParams, stops: list[str], stream: bool
+) -> list[RequestOutput]:
     """Run the prompts to completion and write each one's head and text, in prompt order; with `stream`,
     as the tokens are committed (the next request's text follows once the one before it finished)."""
     decode = rt.tokenizer.decode if rt.tokenizer else _ids_text
@@ -150,7 +167,7 @@ def _run(rt: Runtime, prompts: list, heads: list[str], params: SamplingParams, s
         sys.stdout.flush()
     for t in pending:
         sys.stdout.write(t.take())
-    return [t.out for t in texts.values()]
+    return [t.out for t in texts.values() if t.out is not None]  # all of them: none is unfinished
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -160,11 +177,20 @@ def cmd_generate(args: argparse.Namespace) -> None:
     options = _engine_options(args, _profile_for(args))
     if args.mtp_depth is not None:
         extra = () if args.mtp_depth == "auto" else (args.mtp_depth,)
-        options |= {"mtp_depth": args.mtp_depth, "mtp_depths": (*options.get("mtp_depths", ()), *extra) or None}
+        options |= {
+            "mtp_depth": args.mtp_depth,
+            "mtp_depths": (*options.get("mtp_depths", ()), *extra) or None,
+        }
     rt = Runtime.from_pretrained(args.model, **options)
     if args.stop and rt.tokenizer is None:
         raise ValueError(f"stop: {args.model} has no tokenizer.json to decode text with")
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
     by_ids = args.ids or rt.tokenizer is None
     prompts = [_parse_ids(t) if by_ids else t for t in texts]
     # Token ids print as the output's ids alone; text prints as prompt and continuation.
@@ -180,7 +206,11 @@ def _profile_for(args: argparse.Namespace) -> Profile | None:
     """--profile's; for the shipped model without one, the demo's, so that the graphs it stored serve."""
     if args.profile:
         return load_profile(args.profile)
-    return load_profile(PROFILES / "default-cpu.toml") if args.model.resolve() == DEFAULT_MODEL.resolve() else None
+    return (
+        load_profile(PROFILES / "default-cpu.toml")
+        if args.model.resolve() == DEFAULT_MODEL.resolve()
+        else None
+    )
 
 
 def cmd_random_checkpoint(args: argparse.Namespace) -> None:
@@ -196,25 +226,37 @@ def cmd_export_gguf(args: argparse.Namespace) -> None:
         path = export_gguf(args.model, args.out, args.dtype)
     except ImportError as e:
         raise ValueError(str(e)) from None
-    print(f"wrote {path} ({_size(path.stat().st_size)}): {args.model}'s target model for llama.cpp (it has no MTP layer)")
+    print(
+        f"wrote {path} ({_size(path.stat().st_size)}): {args.model}'s target model for llama.cpp (it has no MTP layer)"
+    )
 
 
-DEMO_PROMPT = "def read_config(path):\n    \"\"\"Return the parsed configuration file at *path*.\"\"\"\n"
+DEMO_PROMPT = 'def read_config(path):\n    """Return the parsed configuration file at *path*."""\n'
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
     profile = load_profile(PROFILES / "default-cpu.toml")
     options = _engine_options(args, profile) | {"mtp_depths": (0, 3)}
+    assert profile.model is not None, "default-cpu.toml names the shipped model"
     rt = Runtime.from_pretrained(profile.model, **options)
-    print(f"model: {profile.model} (DeepSeek-V3 architecture, {rt.model.cfg.num_hidden_layers} layers + 1 MTP layer)")
+    print(
+        f"model: {profile.model} (DeepSeek-V3 architecture, {rt.model.cfg.num_hidden_layers} layers + 1 MTP layer)"
+    )
     if rt.graphs.cache:
-        print(f"capture cache: {rt.graphs.cache.root} (the first run builds the graphs, later runs load them)")
+        print(
+            f"capture cache: {rt.graphs.cache.root} (the first run builds the graphs, later runs load them)"
+        )
     start = time.perf_counter()
     keys = [key for key in rt.graphs.keys if key.batch == 1]  # the demo's one request at a time
     with parallel.helpers(rt, profile.model, options, keys) as started:
         parallel.ready(rt, keys)
-    beside = f", with {started} helper process{'es' * (started > 1)} building beside this one" if started else ""
-    print(f"graphs ready in {time.perf_counter() - start:.1f} s ({rt.graphs.compiles} built here, {rt.graphs.loads} loaded from the cache{beside})")
+    beside = (
+        f", with {started} helper process{'es' * (started > 1)} building beside this one" if started else ""
+    )
+    print(
+        f"graphs ready in {time.perf_counter() - start:.1f} s ({rt.graphs.compiles} "
+        f"built here, {rt.graphs.loads} loaded from the cache{beside})"
+    )
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     for depth in (0, 3, "auto"):  # auto chooses between the other two's graphs, step by step
         rt.mtp_depth = depth
@@ -229,7 +271,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
         start = time.perf_counter()
         outs = rt.generate([DEMO_PROMPT], params)
         _report(rt, outs, time.perf_counter() - start)
-    print("generated (auto, greedy):\n" + DEMO_PROMPT + outs[0].text)
+    print("generated (auto, greedy):\n" + DEMO_PROMPT + (outs[0].text or ""))
 
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
@@ -248,7 +290,9 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     out = write_ranking(args.model, ranking, f"{len(streams)} files, {tokens} tokens")
     top = set(ranking[: vocab // 4])
     covered = sum(t in top for s in streams for t in s) / max(tokens, 1)
-    print(f"wrote {out}: {tokens} tokens counted; the top {vocab // 4} of {vocab} ids cover {100 * covered:.1f}% of them")
+    print(
+        f"wrote {out}: {tokens} tokens counted; the top {vocab // 4} of {vocab} ids cover {100 * covered:.1f}% of them"
+    )
 
 
 def cmd_capture(args: argparse.Namespace) -> None:
@@ -263,11 +307,14 @@ def cmd_capture(args: argparse.Namespace) -> None:
         raise ValueError(f"processes: must be at least 1, got {args.processes}")
     options = _engine_options(args, profile)
     rt = Runtime.from_pretrained(model, **options)
-    keys = rt.graphs.keys  # the profile's buckets and depths: every graph its runtime may call
+    keys = list(rt.graphs.keys)  # the profile's buckets and depths: every graph its runtime may call
+    cache = rt.graphs.cache
+    assert cache is not None  # cache_dir was checked writable above
     print(
-        f"capturing {len(keys)} graphs of {model} into {rt.graphs.cache.root}\n"
-        f"profile {args.profile}: {options['dtype']} on {options['device']}, batch buckets {list(profile.batch_sizes)}, "
-        f"MTP depths {list(profile.mtp_depths)}, max_seq_len {options['max_seq_len']}, prefill chunk {profile.prefill_chunk}"
+        f"capturing {len(keys)} graphs of {model} into {cache.root}\n"
+        f"profile {args.profile}: {options['dtype']} on {options['device']}, "
+        f"batch buckets {list(profile.batch_sizes)}, MTP depths {list(profile.mtp_depths)}, "
+        f"max_seq_len {options['max_seq_len']}, prefill chunk {profile.prefill_chunk}"
     )
     start = time.perf_counter()
     with parallel.helpers(rt, model, options, keys, args.processes) as started:
@@ -278,106 +325,196 @@ def cmd_capture(args: argparse.Namespace) -> None:
             rt.graphs.prepare(key, example_inputs(key, rt.model, rt.prefill_chunk))
             how = "built" if rt.graphs.compiles > compiles else "loaded"
             print(f"{how} in {time.perf_counter() - graph_start:.1f} s", flush=True)
-    built, held = rt.graphs.compiles, GraphCache(rt.graphs.cache.root).artifacts(environment)
+    built, held = rt.graphs.compiles, GraphCache(cache.root).artifacts(environment)
     beside = f" ({started} helper process{'es' * (started > 1)} built beside this one)" if started else ""
     print(
         f"done in {time.perf_counter() - start:.1f} s: {built} built here, {len(keys) - built} loaded{beside}; "
-        f"it holds {len(held)} graphs, {_size(sum(a.size for a in held))} (list them: compiled-mtp inspect --cache-dir {rt.graphs.cache.root})"
+        f"it holds {len(held)} graphs, {_size(sum(a.size for a in held))} "
+        f"(list them: compiled-mtp inspect --cache-dir {cache.root})"
     )
 
 
 def cmd_inspect(args: argparse.Namespace) -> None:
     root = Path(args.cache_dir).expanduser()
     if not root.is_dir():
-        raise ValueError(f"cache_dir: {root} " + ("is not a directory" if root.exists() else "does not exist"))
+        raise ValueError(
+            f"cache_dir: {root} " + ("is not a directory" if root.exists() else "does not exist")
+        )
     artifacts = GraphCache(root).artifacts(environment)
     if not artifacts:
         print(f"{root}: no captured graphs")
         return
     print(f"{root}: {len(artifacts)} graphs, {_size(sum(a.size for a in artifacts))}")
     rows = [("key", "model", "settings", "size", "created", "torch", "status")]
-    rows += [(a.name, a.model, a.settings, _size(a.size), a.created[:16].replace("T", " "), a.torch, a.status) for a in artifacts]
+    rows += [
+        (a.name, a.model, a.settings, _size(a.size), a.created[:16].replace("T", " "), a.torch, a.status)
+        for a in artifacts
+    ]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1])
 
 
 def _add_engine_options(p: argparse.ArgumentParser, backend: bool = True) -> None:
-    p.add_argument("--max-seq-len", type=int, help=f"longest prompt + output (default: the profile's, else {ENGINE_DEFAULTS['max_seq_len']})")
     p.add_argument(
-        "--dtype", choices=("float32", "bfloat16", "float16"), help=f"weights and activations (default: the profile's, else {ENGINE_DEFAULTS['dtype']})"
+        "--max-seq-len",
+        type=int,
+        help=f"longest prompt + output (default: the profile's, else {ENGINE_DEFAULTS['max_seq_len']})",
     )
-    p.add_argument("--device", help=f"cpu or cuda[:N] (default: the profile's, else {ENGINE_DEFAULTS['device']})")
     p.add_argument(
-        "--draft-vocab", type=int, metavar="N",
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        help=f"weights and activations (default: the profile's, else {ENGINE_DEFAULTS['dtype']})",
+    )
+    p.add_argument(
+        "--device", help=f"cpu or cuda[:N] (default: the profile's, else {ENGINE_DEFAULTS['device']})"
+    )
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        metavar="N",
         help="draft among the model's N most frequent tokens (its draft_vocab.json, see calibrate) "
         "(default: the profile's, else every token)",
     )
     if backend:
-        p.add_argument("--backend", default="inductor", choices=("inductor", "eager"), help="eager runs uncompiled (default: %(default)s)")
-        p.add_argument("--no-progress", action="store_true", help="do not report graph builds on stderr (default: report them)")
+        p.add_argument(
+            "--backend",
+            default="inductor",
+            choices=("inductor", "eager"),
+            help="eager runs uncompiled (default: %(default)s)",
+        )
+        p.add_argument(
+            "--no-progress",
+            action="store_true",
+            help="do not report graph builds on stderr (default: report them)",
+        )
     add_pass_switch(p)
 
 
 def _add_cache_option(p: argparse.ArgumentParser, optional: bool = False) -> None:
     """--cache-dir, defaulting to the per-user cache; `optional`: also --no-cache."""
-    p.add_argument("--cache-dir", type=Path, default=_graph_cache(), help="capture cache directory (default: %(default)s)")
+    p.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=_graph_cache(),
+        help="capture cache directory (default: %(default)s)",
+    )
     if optional:
-        p.add_argument("--no-cache", action="store_true", help="build every graph in this process, store none (default: use the cache)")
+        p.add_argument(
+            "--no-cache",
+            action="store_true",
+            help="build every graph in this process, store none (default: use the cache)",
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The `compiled-mtp` argument parser, every subcommand included."""
-    parser = argparse.ArgumentParser(prog="compiled-mtp", description="MTP speculative decoding on captured torch.compile graphs")
+    parser = argparse.ArgumentParser(
+        prog="compiled-mtp", description="MTP speculative decoding on captured torch.compile graphs"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate from a prompt, or from each line of a file")
-    g.add_argument("prompt", nargs="?", help="text (when the model has a tokenizer) or token ids, e.g. '1 2 3' with --ids")
-    g.add_argument("--prompts-file", type=Path, metavar="FILE", help="one prompt per line, all queued at once (default: none)")
-    g.add_argument("--ids", action="store_true", help="prompts are token ids (default: text, when the model has a tokenizer)")
-    g.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="checkpoint directory (default: the shipped model)")
-    g.add_argument("--profile", type=Path, help="take buckets, depths and engine settings from a capture profile (default: none)")
     g.add_argument(
-        "--mtp-depth", type=depth_arg,
+        "prompt",
+        nargs="?",
+        help="text (when the model has a tokenizer) or token ids, e.g. '1 2 3' with --ids",
+    )
+    g.add_argument(
+        "--prompts-file",
+        type=Path,
+        metavar="FILE",
+        help="one prompt per line, all queued at once (default: none)",
+    )
+    g.add_argument(
+        "--ids",
+        action="store_true",
+        help="prompts are token ids (default: text, when the model has a tokenizer)",
+    )
+    g.add_argument(
+        "--model", type=Path, default=DEFAULT_MODEL, help="checkpoint directory (default: the shipped model)"
+    )
+    g.add_argument(
+        "--profile",
+        type=Path,
+        help="take buckets, depths and engine settings from a capture profile (default: none)",
+    )
+    g.add_argument(
+        "--mtp-depth",
+        type=depth_arg,
         help="draft tokens per step, or 'auto' to choose each step's depth among 0..3 (or the profile's) "
         "from measured speed and acceptance (default: 3, or the profile's largest depth)",
     )
-    g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default: %(default)s)")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
-    g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 = all (default: %(default)s)")
-    g.add_argument("--top-p", type=float, default=1.0, help="sample within this probability mass (default: %(default)s)")
-    g.add_argument("--seed", type=int, help="seed of the sampled tokens, in [0, 2**63 - 1] (default: the runtime's)")
     g.add_argument(
-        "--stop", action="append", default=[], metavar="TEXT",
+        "--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default: %(default)s)"
+    )
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
+    g.add_argument(
+        "--top-k",
+        type=int,
+        default=0,
+        help="sample among the k most likely tokens; 0 = all (default: %(default)s)",
+    )
+    g.add_argument(
+        "--top-p", type=float, default=1.0, help="sample within this probability mass (default: %(default)s)"
+    )
+    g.add_argument(
+        "--seed", type=int, help="seed of the sampled tokens, in [0, 2**63 - 1] (default: the runtime's)"
+    )
+    g.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        metavar="TEXT",
         help="end the output before this text (repeatable; matched on the decoded text) (default: none)",
     )
-    g.add_argument("--stream", action="store_true", help="write tokens as they are committed (default: when done)")
+    g.add_argument(
+        "--stream", action="store_true", help="write tokens as they are committed (default: when done)"
+    )
     _add_engine_options(g)
     _add_cache_option(g, optional=True)
     g.set_defaults(func=cmd_generate)
 
-    r = sub.add_parser("random-checkpoint", help="write a random checkpoint of a preset's shape (DeepSeek-V3 or GLM-4 MoE)")
-    r.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model family and size: glm-* are GLM-4 MoE, the others DeepSeek-V3 (default: %(default)s)")
+    r = sub.add_parser(
+        "random-checkpoint", help="write a random checkpoint of a preset's shape (DeepSeek-V3 or GLM-4 MoE)"
+    )
+    r.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="tiny",
+        help="model family and size: glm-* are GLM-4 MoE, the others DeepSeek-V3 (default: %(default)s)",
+    )
     r.add_argument("--out", required=True, type=Path, help="directory to write")
-    r.add_argument("--seed", type=int, default=0, help="seed of the weights, in [0, 2**63 - 1] (default: %(default)s)")
+    r.add_argument(
+        "--seed", type=int, default=0, help="seed of the weights, in [0, 2**63 - 1] (default: %(default)s)"
+    )
     r.set_defaults(func=cmd_random_checkpoint)
 
     d = sub.add_parser("demo", help="generate with and without MTP on the shipped model")
-    d.add_argument("--max-new-tokens", type=int, default=64, help="tokens per timed run (default: %(default)s)")
+    d.add_argument(
+        "--max-new-tokens", type=int, default=64, help="tokens per timed run (default: %(default)s)"
+    )
     _add_engine_options(d)
     _add_cache_option(d, optional=True)
     d.set_defaults(func=cmd_demo)
 
     cal = sub.add_parser("calibrate", help="rank the model's tokens by frequency in text, for --draft-vocab")
-    cal.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="checkpoint directory (default: the shipped model)")
-    cal.add_argument("--text", type=Path, nargs="+", required=True, help="UTF-8 text files like those the model will serve")
+    cal.add_argument(
+        "--model", type=Path, default=DEFAULT_MODEL, help="checkpoint directory (default: the shipped model)"
+    )
+    cal.add_argument(
+        "--text", type=Path, nargs="+", required=True, help="UTF-8 text files like those the model will serve"
+    )
     cal.set_defaults(func=cmd_calibrate)
 
     c = sub.add_parser("capture", help="pre-build every graph of a capture profile into a cache")
     c.add_argument("--profile", required=True, type=Path, help="e.g. profiles/default-cpu.toml")
     c.add_argument("--model", type=Path, help="checkpoint directory (default: the profile's model)")
     c.add_argument(
-        "--processes", type=int, default=os.cpu_count() or 1, metavar="N",
+        "--processes",
+        type=int,
+        default=os.cpu_count() or 1,
+        metavar="N",
         help="build in up to N processes at once, each a graph at a time (default: one per core)",
     )
     _add_engine_options(c, backend=False)
@@ -388,13 +525,25 @@ def build_parser() -> argparse.ArgumentParser:
     _add_cache_option(i)
     i.set_defaults(func=cmd_inspect)
 
-    x = sub.add_parser("export-gguf", help="write the model for llama.cpp (GGUF, its deepseek2 architecture; without the MTP layers)")
-    x.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="checkpoint directory (default: the shipped model)")
+    x = sub.add_parser(
+        "export-gguf",
+        help="write the model for llama.cpp (GGUF, its deepseek2 architecture; without the MTP layers)",
+    )
+    x.add_argument(
+        "--model", type=Path, default=DEFAULT_MODEL, help="checkpoint directory (default: the shipped model)"
+    )
     x.add_argument("--out", type=Path, required=True, help="the .gguf file to write")
-    x.add_argument("--dtype", choices=sorted(GGUF_DTYPES), default="f32", help="storage type of the weight matrices (default: f32)")
+    x.add_argument(
+        "--dtype",
+        choices=sorted(GGUF_DTYPES),
+        default="f32",
+        help="storage type of the weight matrices (default: f32)",
+    )
     x.set_defaults(func=cmd_export_gguf)
 
-    b = sub.add_parser("bench", help="acceptance and tokens/s against HF transformers and the bandwidth bound")
+    b = sub.add_parser(
+        "bench", help="acceptance and tokens/s against HF transformers and the bandwidth bound"
+    )
     bench.add_arguments(b)
     b.set_defaults(func=bench.run)
     return parser

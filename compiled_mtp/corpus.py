@@ -41,7 +41,9 @@ def split(files: list[File]) -> tuple[list[File], list[File]]:
     return train, held
 
 
-def acceptance_prompts(encode: Callable[[str], list[int]], held: list[File], n: int, length: int) -> list[list[int]]:
+def acceptance_prompts(
+    encode: Callable[[str], list[int]], held: list[File], n: int, length: int
+) -> list[list[int]]:
     """A `length`-token window starting one third into each held-out file, for the first `n` files with
     at least 3 * `length` tokens (fewer than `n` when too few are that long)."""
     prompts = []

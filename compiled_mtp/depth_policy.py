@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import argparse
 from collections import Counter
-from typing import Sequence
+from collections.abc import Sequence
 
 Key = tuple[int, int]  # (bucket, depth)
 
@@ -35,7 +35,14 @@ def expected_tokens(rates: Sequence[float], depth: int) -> float:
 class DepthPolicy:
     """Chooses decode depths and learns from each step's acceptance and wall time."""
 
-    def __init__(self, depths: Sequence[int], *, request_alpha: float = 0.3, cost_alpha: float = 0.2, margin: float = 0.03) -> None:
+    def __init__(
+        self,
+        depths: Sequence[int],
+        *,
+        request_alpha: float = 0.3,
+        cost_alpha: float = 0.2,
+        margin: float = 0.03,
+    ) -> None:
         self.depths = tuple(sorted(depths))
         self.request_alpha = request_alpha
         self.cost_alpha = cost_alpha
@@ -77,7 +84,10 @@ class DepthPolicy:
         untried = [k for k in self.depths if (bucket, k) not in self._cost]
         if untried:
             return untried[0]
-        value = {k: sum(min(expected_tokens(r, k), n) for r, n in zip(rates, remaining)) / self._cost[bucket, k] for k in self.depths}
+        value = {
+            k: sum(min(expected_tokens(r, k), n) for r, n in zip(rates, remaining)) / self._cost[bucket, k]
+            for k in self.depths
+        }
         best = max(self.depths, key=lambda k: value[k])
         if value[best] > value[self.current] * (1 + self.margin):
             self.current = best

@@ -1,4 +1,5 @@
-"""HF transformers on a checkpoint with MTP layers (any registered family): the benchmark's baseline and the tests' oracle.
+"""HF transformers on a checkpoint with MTP layers (any registered family): the benchmark's baseline
+and the tests' oracle.
 
 transformers is an optional dependency (the `bench` and `test` extras); it is imported on first use.
 """
@@ -26,7 +27,10 @@ def transformers_version() -> str:
 
 
 def load_hf(
-    path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu", attn_implementation: str | None = "eager"
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    attn_implementation: str | None = "eager",
 ) -> Any:
     """The checkpoint as an eval-mode HF model of its family (`DeepseekV3ForCausalLM`,
     `Glm4MoeForCausalLM`) with its MTP layers.
@@ -117,7 +121,9 @@ def hf_mtp_generate(model: Any, prompt: list[int], max_new_tokens: int) -> tuple
 
     steps: list[tuple[int, list[int]]] = []
 
-    def record(result: tuple[Tensor, Tensor | None], _self: Any, input_ids: Tensor, *args: Any, **kw: Any) -> None:
+    def record(
+        result: tuple[Tensor, Tensor | None], _self: Any, input_ids: Tensor, *args: Any, **kw: Any
+    ) -> None:
         start = input_ids.shape[1]
         if result[0].shape[1] > start:
             steps.append((start - len(prompt), result[0][0, start:].tolist()))
@@ -129,7 +135,11 @@ def hf_mtp_generate(model: Any, prompt: list[int], max_new_tokens: int) -> tuple
     accepted = []
     for start, drafts in steps:
         count = 0
-        while count < len(drafts) and start + count < len(generated) and generated[start + count] == drafts[count]:
+        while (
+            count < len(drafts)
+            and start + count < len(generated)
+            and generated[start + count] == drafts[count]
+        ):
             count += 1
         accepted.append(count)
     return generated, accepted

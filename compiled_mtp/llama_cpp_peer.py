@@ -20,7 +20,14 @@ class LlamaCpp:
     def __init__(self, gguf_path: Path, context: int, threads: int) -> None:
         from llama_cpp import Llama
 
-        self.llm = Llama(model_path=str(gguf_path), n_ctx=context, n_batch=context, n_threads=threads, n_threads_batch=threads, verbose=False)
+        self.llm = Llama(
+            model_path=str(gguf_path),
+            n_ctx=context,
+            n_batch=context,
+            n_threads=threads,
+            n_threads_batch=threads,
+            verbose=False,
+        )
 
     def generate(self, prompt: list[int], new_tokens: int) -> list[int]:
         """Greedy tokens after `prompt`, from a fresh context (the prefill included, as the engine's)."""

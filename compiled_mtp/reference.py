@@ -41,7 +41,10 @@ class _Request:
     def mtp(self, depth: int, tokens: list[int], hidden: Tensor, start: int) -> Tensor:
         pos = self._positions(len(tokens), start)
         layer = depth % self.model.num_mtp_layers
-        return self.model.forward_mtp(layer, self._ids(tokens), hidden[None], pos, pos, self.slot, self.mtp_cache)[0]
+        assert self.mtp_cache is not None, "a request made with mtp=False drafts nothing"
+        return self.model.forward_mtp(
+            layer, self._ids(tokens), hidden[None], pos, pos, self.slot, self.mtp_cache
+        )[0]
 
     def greedy(self, hidden: Tensor) -> Tensor:
         return self.model.logits(hidden).argmax(-1)
@@ -54,7 +57,9 @@ class _Request:
 
 
 @torch.no_grad()
-def reference_generate(model: CausalLM, prompts: list[list[int]], max_new_tokens: int, mtp_depth: int) -> list[ReferenceOutput]:
+def reference_generate(
+    model: CausalLM, prompts: list[list[int]], max_new_tokens: int, mtp_depth: int
+) -> list[ReferenceOutput]:
     """Greedy speculative decoding with K = mtp_depth drafts per step (0 = plain decoding)."""
     return [_generate_one(model, p, max_new_tokens, mtp_depth) for p in prompts]
 

@@ -12,9 +12,10 @@ import math
 import operator
 import time
 from collections import Counter, deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -147,7 +148,9 @@ class Runtime:
         self.prefill_chunk = prefill_chunk
         self.state = StaticState(model, buckets[-1], max_seq_len, depths[-1])
         keys = tuple(graph_keys(self.buckets, self.depths))
-        self.graphs = CompiledGraphs(model, self.state, compile_backend, None if passes is None else tuple(passes), cache_dir, keys)
+        self.graphs = CompiledGraphs(
+            model, self.state, compile_backend, None if passes is None else tuple(passes), cache_dir, keys
+        )
         self._depth = mtp_depth
         self._policy = DepthPolicy(depths)
         self._device = model.lm_head.weight.device
@@ -170,7 +173,7 @@ class Runtime:
         device: str = "cpu",
         cache_dir: str | Path | bool | None = True,
         draft_vocab: int | None = None,
-        **options,
+        **options: Any,
     ) -> Runtime:
         """Load an HF-layout checkpoint directory (DeepSeek-V3 or GLM-4 MoE) and prepare its graphs. `path` "default"
         (the default) is the model shipped with the package, `compiled_mtp.DEFAULT_MODEL`.
@@ -204,7 +207,15 @@ class Runtime:
             if not isinstance(draft_vocab, int) or not 1 <= draft_vocab <= vocab:
                 raise ValueError(f"draft_vocab: must be an integer in [1, {vocab}], got {draft_vocab!r}")
             model.restrict_drafts(torch.tensor(read_ranking(path, vocab)[:draft_vocab]))
-        return cls(model, mtp_depth=mtp_depth, batch_sizes=batch_sizes, max_seq_len=max_seq_len, cache_dir=cache_dir, tokenizer=Tokenizer.find(path), **options)
+        return cls(
+            model,
+            mtp_depth=mtp_depth,
+            batch_sizes=batch_sizes,
+            max_seq_len=max_seq_len,
+            cache_dir=cache_dir,
+            tokenizer=Tokenizer.find(path),
+            **options,
+        )
 
     @property
     def mtp_depth(self) -> int | str:
@@ -214,7 +225,9 @@ class Runtime:
     @mtp_depth.setter
     def mtp_depth(self, depth: int | str) -> None:
         if depth != "auto" and depth not in self.depths:
-            raise ValueError(f"mtp_depth: {depth} is not one of the captured depths {list(self.depths)} (or 'auto')")
+            raise ValueError(
+                f"mtp_depth: {depth} is not one of the captured depths {list(self.depths)} (or 'auto')"
+            )
         self._depth = depth
 
     # -- requests -------------------------------------------------------------------------------
@@ -227,7 +240,11 @@ class Runtime:
 
     def _queue(self, prompt: list[int], params: SamplingParams) -> int:
         """Queue a request `_check` has passed."""
-        seed = operator.index(params.seed) if params.seed is not None else int(torch.randint(2**62, (), generator=self._seeds))
+        seed = (
+            operator.index(params.seed)
+            if params.seed is not None
+            else int(torch.randint(2**62, (), generator=self._seeds))
+        )
         greedy = params.temperature == 0
         stop_ids = frozenset(map(operator.index, params.stop_token_ids))  # a torch integer hashes by identity
         req = _Request(
@@ -246,7 +263,9 @@ class Runtime:
         `step()` returns nothing more for it. Returns its output so far, with finish_reason "abort";
         None, changing nothing, when the id is unknown or already finished (a disconnect may race
         with the request's last step)."""
-        req = next((r for r in (*self._waiting, *self._running.values()) if r.out.request_id == request_id), None)
+        req = next(
+            (r for r in (*self._waiting, *self._running.values()) if r.out.request_id == request_id), None
+        )
         if req is None:
             return None
         if req.slot < 0:  # not admitted yet
@@ -258,7 +277,11 @@ class Runtime:
         """Requests waiting or running, or outputs that step() has yet to return."""
         return bool(self._waiting or self._running or self._held)
 
-    def generate(self, prompts: Sequence[Sequence[int] | str], params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int] | str],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
         """Run prompts to completion; one SamplingParams for all or one per prompt. Every prompt and
         SamplingParams is checked before any is queued: on a ValueError nothing was added. Requests
         added with add_request keep running alongside; what they gain meanwhile is returned by the
@@ -267,9 +290,11 @@ class Runtime:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"params: expected 1 or {len(prompts)} SamplingParams, got {len(params)}")
-        checked = [self._check(p, sp, where=f"prompts[{i}]") for i, (p, sp) in enumerate(zip(prompts, params))]
+        checked = [
+            self._check(p, sp, where=f"prompts[{i}]") for i, (p, sp) in enumerate(zip(prompts, params))
+        ]
         ids = [self._queue(p, sp) for p, sp in zip(checked, params)]
-        wanted, done = set(ids), {}
+        wanted, done = set(ids), dict[int, RequestOutput]()
         while len(done) < len(ids):
             for s in self._step():
                 if s.request_id not in wanted:
@@ -362,7 +387,7 @@ class Runtime:
         return self._commit(req, [int(first)], depth=None, accepted=0)
 
     def _choose_depth(self, reqs: list[_Request], bucket: int) -> int:
-        if self._depth != "auto":
+        if isinstance(self._depth, int):  # else "auto"
             return self._depth
         wanted = [r.params.max_new_tokens - len(r.out.token_ids) for r in reqs]
         return self._policy.choose(bucket, [r.rates for r in reqs], wanted)
@@ -377,7 +402,7 @@ class Runtime:
         slots = self._tensor([r.slot for r in reqs] + [self.state.scratch_slot] * pad)
         lens = self._tensor([r.seq_len for r in reqs] + [1] * pad)
         window = self.state.lag_window
-        if any(r.lag and (k > 0 or r.lag >= window) for r in reqs):
+        if plan.catch_up and any(r.lag and (k > 0 or r.lag >= window) for r in reqs):
             self._catch_up(plan.catch_up, reqs, slots, lens)
         start = time.perf_counter()
         noise = self._noise(reqs, bucket, plan.uniforms)  # drawn at once; each graph takes its columns
@@ -392,7 +417,9 @@ class Runtime:
         accepted_l, committed_l = accepted.tolist(), committed.tolist()
         for r in reqs:
             r.lag += k == 0 and window > 0
-        outputs = [self._commit(r, committed_l[i][: accepted_l[i] + 1], k, accepted_l[i]) for i, r in enumerate(reqs)]
+        outputs = [
+            self._commit(r, committed_l[i][: accepted_l[i] + 1], k, accepted_l[i]) for i, r in enumerate(reqs)
+        ]
         self._policy.record_cost(bucket, k, time.perf_counter() - start)
         return outputs
 
@@ -405,7 +432,14 @@ class Runtime:
             tokens.append([0] * (window - len(tail)) + tail)
         tokens += [[0] * window] * (bucket - len(reqs))
         lags = self._tensor([r.lag for r in reqs] + [0] * (bucket - len(reqs)))
-        self.graphs(key, slots, lens, lags, self._tensor(itertools.chain.from_iterable(tokens)).view(bucket, window), self._noise(reqs, bucket, key.uniforms))
+        self.graphs(
+            key,
+            slots,
+            lens,
+            lags,
+            self._tensor(itertools.chain.from_iterable(tokens)).view(bucket, window),
+            self._noise(reqs, bucket, key.uniforms),
+        )
         for r in reqs:
             r.lag = 0
 
@@ -485,7 +519,7 @@ def acceptance_length(committed: int, request_steps: int) -> float:
     return committed / request_steps if request_steps else 1.0
 
 
-def _integer(value: object, what: str) -> int:
+def _integer(value: Any, what: str) -> int:
     """`value` as an int when it is integer-like (int, NumPy or torch integer; not bool); `what` leads
     the error, e.g. "seed:"."""
     try:
@@ -504,7 +538,9 @@ def check_device(device: str | torch.device) -> None:
         raise ValueError(f"device: must be cpu or cuda[:N], got {device!r}") from None
     if device.type == "cuda":
         if torch.version.cuda is None and torch.version.hip is None:
-            raise ValueError(f"device: {device} needs a CUDA build of torch; this one ({torch.__version__}) is CPU-only, use cpu")
+            raise ValueError(
+                f"device: {device} needs a CUDA build of torch; this one ({torch.__version__}) is CPU-only, use cpu"
+            )
         count = torch.cuda.device_count()
         if (device.index or 0) >= count:
             raise ValueError(f"device: {device} is not available ({count} CUDA devices visible)")

@@ -246,7 +246,9 @@ class RouterLoads:
             self.choices[id(r)] = []
             if not picks or (only is not None and r not in only):
                 continue
-            load = torch.bincount(torch.cat([p.reshape(-1) for p in picks]), minlength=r.cfg.n_routed_experts).float()
+            load = torch.bincount(
+                torch.cat([p.reshape(-1) for p in picks]), minlength=r.cfg.n_routed_experts
+            ).float()
             r.e_score_correction_bias.add_(gamma * torch.sign(load.mean() - load))
             imbalance.append(float(load.max() / load.mean()))
         return imbalance
@@ -266,7 +268,10 @@ def adamw(params: list[torch.nn.Parameter], lr: float, wd: float) -> torch.optim
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
     return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95), eps=1e-8
+        [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
     )
 
 
@@ -307,7 +312,7 @@ def windows_of(stream: np.ndarray, length: int, count: int | None = None) -> tor
 
 
 def train_joint(model, stream, held, args, log) -> None:
-    params = [p for p in model.parameters()]
+    params = list(model.parameters())
     for p in params:
         p.requires_grad_(True)
     opt = adamw(params, args.lr, args.weight_decay)
@@ -321,7 +326,9 @@ def train_joint(model, stream, held, args, log) -> None:
     ema = None
     for step in range(args.steps):
         idx = order[(step * args.batch + np.arange(args.batch)) % n_windows]
-        w = torch.from_numpy(np.stack([stream[offset + i * (t + 1) : offset + (i + 1) * (t + 1)] for i in idx]))
+        w = torch.from_numpy(
+            np.stack([stream[offset + i * (t + 1) : offset + (i + 1) * (t + 1)] for i in idx])
+        )
         x = w[:, :-1]
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
@@ -346,7 +353,9 @@ def train_joint(model, stream, held, args, log) -> None:
                 f"{(step + 1) * args.batch * t / el:.0f} tok/s {el / 60:.1f} min",
                 flush=True,
             )
-            log["joint_train"].append({"step": step, "target": float(ema[0]), "mtp": float(ema[1]), "min": el / 60})
+            log["joint_train"].append(
+                {"step": step, "target": float(ema[0]), "mtp": float(ema[1]), "min": el / 60}
+            )
         if (step + 1) % args.eval_every == 0 or step == args.steps - 1:
             ev = evaluate(model, held)
             print(f"[joint {step + 1:4d}] held-out {fmt(ev)}", flush=True)
@@ -392,7 +401,10 @@ def train_distill(model, stream, held, args, log) -> None:
         ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
         if step % args.log_every == 0 or step == args.distill_steps - 1:
             el = time.time() - start
-            print(f"[distill {step:4d}/{args.distill_steps}] KL {loss.item():.3f} (ema {ema:.3f}) {el / 60:.1f} min", flush=True)
+            print(
+                f"[distill {step:4d}/{args.distill_steps}] KL {loss.item():.3f} (ema {ema:.3f}) {el / 60:.1f} min",
+                flush=True,
+            )
             log["distill_train"].append({"step": step, "kl": float(ema), "min": el / 60})
         if (step + 1) % args.eval_every == 0 or step == args.distill_steps - 1:
             ev = evaluate(model, held)
@@ -416,7 +428,9 @@ def measure_acceptance(model: DeepseekV3, prompts: list[list[int]], new_tokens: 
     plain = reference_generate(model, prompts, new_tokens, 0)
     for k in (1, 2, 3):
         res = reference_generate(model, prompts, new_tokens, k)
-        assert all(r.token_ids == p.token_ids for r, p in zip(res, plain)), "speculative output differs from greedy"
+        assert all(r.token_ids == p.token_ids for r, p in zip(res, plain)), (
+            "speculative output differs from greedy"
+        )
         acc = [a for r in res for a in r.accepted]
         out[f"K{k}"] = {
             "steps": len(acc),
@@ -456,13 +470,18 @@ def main() -> None:
     t0 = time.time()
     files = stdlib_files()
     train_files, held_files = split(files)
-    print(f"stdlib {sysconfig.get_paths()['stdlib']}: {len(files)} files, {len(train_files)} train, {len(held_files)} held out", flush=True)
+    print(
+        f"stdlib {sysconfig.get_paths()['stdlib']}: "
+        f"{len(files)} files, {len(train_files)} train, {len(held_files)} held out",
+        flush=True,
+    )
     tok = train_tokenizer([t for _, t in train_files], CONFIG["vocab_size"])
     train_stream = token_stream(tok, [t for _, t in train_files])
     held_stream = token_stream(tok, [t for _, t in held_files])
     train_bytes = sum(len(t.encode()) for _, t in train_files)
     print(
-        f"tokenizer + data {time.time() - t0:.0f}s: train {len(train_stream)} tokens ({train_bytes / len(train_stream):.2f} bytes/token), "
+        f"tokenizer + data {time.time() - t0:.0f}s: train {len(train_stream)} tokens "
+        f"({train_bytes / len(train_stream):.2f} bytes/token), "
         f"held out {len(held_stream)} tokens",
         flush=True,
     )
@@ -478,7 +497,7 @@ def main() -> None:
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "python": sys.version.split()[0],
         "files": {"train": len(train_files), "held_out": len(held_files)},
-        "tokens": {"train": int(len(train_stream)), "held_out": int(len(held_stream))},
+        "tokens": {"train": len(train_stream), "held_out": len(held_stream)},
         "parameters": n_params,
         "mtp_parameters": mtp_params,
         "joint_train": [],
@@ -494,7 +513,9 @@ def main() -> None:
     save_checkpoint(model, CONFIG, args.out, dtype=torch.bfloat16)
     tok.save(str(args.out / "tokenizer.json"))
     ranking = token_ranking((tok.encode(t).ids for _, t in train_files), CONFIG["vocab_size"])
-    write_ranking(args.out, ranking, f"{len(train_files)} files, {len(train_stream) - len(train_files)} tokens")
+    write_ranking(
+        args.out, ranking, f"{len(train_files)} files, {len(train_stream) - len(train_files)} tokens"
+    )
     log["train_minutes"] = (time.time() - t0) / 60
 
     # Measure what ships: the bf16 checkpoint as the engine loads it.
@@ -515,10 +536,18 @@ def main() -> None:
             "k1_acceptance": sum(res.accepted) / len(res.accepted),
         }
         log["samples"].append(sample)
-        print(f"--- sample prompt:\n{sample['prompt']}\n--- greedy continuation (K=1 acceptance {sample['k1_acceptance']:.3f}):\n"
-              f"{sample['greedy']}\n---", flush=True)
+        print(
+            f"--- sample prompt:\n{sample['prompt']}\n"
+            f"--- greedy continuation (K=1 acceptance {sample['k1_acceptance']:.3f}):\n"
+            f"{sample['greedy']}\n---",
+            flush=True,
+        )
     log["total_minutes"] = (time.time() - t0) / 60
-    log["sizes_bytes"] = {p.name: p.stat().st_size for p in sorted(args.out.iterdir()) if p.is_file() and p.name != "train_log.json"}
+    log["sizes_bytes"] = {
+        p.name: p.stat().st_size
+        for p in sorted(args.out.iterdir())
+        if p.is_file() and p.name != "train_log.json"
+    }
     (args.out / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
     print(f"done in {log['total_minutes']:.1f} min; sizes {log['sizes_bytes']}", flush=True)
 

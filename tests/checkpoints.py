@@ -97,7 +97,6 @@ def tiny_config(**overrides: Any) -> DeepseekV3Config:
     return DeepseekV3Config(**params, dtype=torch.float32, attn_implementation="eager")
 
 
-
 # ----------------------------------------------------------------------------- weights
 
 
@@ -153,7 +152,11 @@ def _unfuse_experts(state: dict[str, Tensor]) -> dict[str, Tensor]:
 
 
 def _mtp_layer_state(
-    model: DeepseekV3ForCausalLM, block: dict[str, Tensor], norms: dict[str, Tensor], eh_proj: Tensor, index: int
+    model: DeepseekV3ForCausalLM,
+    block: dict[str, Tensor],
+    norms: dict[str, Tensor],
+    eh_proj: Tensor,
+    index: int,
 ) -> dict[str, Tensor]:
     """Keys of one MTP layer in DeepSeek layout at `model.layers.{index}.`.
 
@@ -227,7 +230,7 @@ def rewrite_tensors(path: str | Path, edit: Callable[[Path, dict[str, Tensor]], 
     for file in shard_files(path):
         tensors = edit(file, load_file(file))
         save_file(tensors, file, metadata={"format": "pt"})
-        weight_map |= {k: file.name for k in tensors}
+        weight_map |= dict.fromkeys(tensors, file.name)
         total += sum(t.numel() * t.element_size() for t in tensors.values())
     index = path / "model.safetensors.index.json"
     if index.exists():
@@ -414,7 +417,9 @@ def _copy_target_into_mtp_(model: DeepseekV3, gen: torch.Generator) -> None:
         mtp.eh_proj.weight.copy_(torch.cat([torch.eye(hidden), mix], dim=1))
 
 
-def _fresh_block(model: DeepseekV3, batch: int, length: int, layers: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _fresh_block(
+    model: DeepseekV3, batch: int, length: int, layers: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """positions, write indices, slots and a zero cache for a [batch, length] block at positions 0.."""
     slots = torch.arange(batch)
     positions = torch.arange(length)[None].expand(batch, length)
@@ -422,7 +427,9 @@ def _fresh_block(model: DeepseekV3, batch: int, length: int, layers: int) -> tup
     return positions, slots[:, None] * length + positions, slots, cache
 
 
-def distill_mtp(model: DeepseekV3, steps: int, seed: int, batch: int = 8, length: int = 16, lr: float = 3e-3) -> None:
+def distill_mtp(
+    model: DeepseekV3, steps: int, seed: int, batch: int = 8, length: int = 16, lr: float = 3e-3
+) -> None:
     """Train the MTP layers (target frozen) on seeded random token blocks. MTP layer j row i reads
     token t_{i+1+j} and layer j-1's hidden at row i (the target's h_i for j = 0), as the engine's
     depth j + 1 does, and learns the target's distribution of t_{i+2+j}."""
@@ -440,9 +447,13 @@ def distill_mtp(model: DeepseekV3, steps: int, seed: int, batch: int = 8, length
         loss, hidden = torch.zeros(()), h
         for j in range(layers):
             rows = length - 1 - j
-            hidden = model.forward_mtp(j, x[:, 1 + j :], hidden[:, :rows], *_fresh_block(model, batch, rows, layers))
+            hidden = model.forward_mtp(
+                j, x[:, 1 + j :], hidden[:, :rows], *_fresh_block(model, batch, rows, layers)
+            )
             draft = F.log_softmax(model.logits(hidden), dim=-1)
-            loss = loss + F.kl_div(draft.flatten(0, 1), target[:, 1 + j :].flatten(0, 1), log_target=True, reduction="batchmean")
+            loss = loss + F.kl_div(
+                draft.flatten(0, 1), target[:, 1 + j :].flatten(0, 1), log_target=True, reduction="batchmean"
+            )
         opt.zero_grad()
         loss.backward()
         opt.step()

@@ -14,9 +14,9 @@ os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="compiled_mtp_tests_")
 if not torch.cuda.is_available():  # before any Triton kernel is defined: they run in Triton's interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
+import pytest
 
-from compiled_mtp.ops import library  # noqa: E402
+from compiled_mtp.ops import library
 
 library.load()  # the C++ ops: the tests name them (torch.ops.compiled_mtp.*) when they are collected
 from hypothesis import HealthCheck, settings  # noqa: E402
@@ -35,7 +35,9 @@ from tests.checkpoints import (  # noqa: E402
 settings.register_profile(
     "ci", derandomize=True, deadline=None, max_examples=10, suppress_health_check=[HealthCheck.too_slow]
 )
-settings.register_profile("thorough", deadline=None, max_examples=200, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile(
+    "thorough", deadline=None, max_examples=200, suppress_health_check=[HealthCheck.too_slow]
+)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 hf_logging.set_verbosity_error()

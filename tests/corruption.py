@@ -44,7 +44,12 @@ def add_key(path: str | Path, key: str, value: Tensor | None = None) -> None:
 def reshape_key(path: str | Path, key: str, shape: tuple[int, ...]) -> None:
     """Replace tensor `key` by zeros of `shape` (same dtype)."""
     file = file_of(path, key)
-    rewrite_tensors(path, lambda f, tensors: tensors | {key: torch.zeros(shape, dtype=tensors[key].dtype)} if f == file else tensors)
+    rewrite_tensors(
+        path,
+        lambda f, tensors: (
+            tensors | {key: torch.zeros(shape, dtype=tensors[key].dtype)} if f == file else tensors
+        ),
+    )
 
 
 def truncate_file(file: str | Path, fraction: float = 0.5) -> None:

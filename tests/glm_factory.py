@@ -107,7 +107,9 @@ def _random_mtp_state(model: Glm4MoeForCausalLM, num_mtp_layers: int, seed: int)
         checkpoints._randomize_(block, gen)
         norms = {n: torch.rand(hidden, generator=gen) + 0.5 for n in ("enorm", "hnorm", "shared_head.norm")}
         eh_proj = torch.randn(hidden, 2 * hidden, generator=gen) / math.sqrt(2 * hidden)
-        state |= checkpoints._mtp_layer_state(model, block.state_dict(), norms, eh_proj, config.num_hidden_layers + i)
+        state |= checkpoints._mtp_layer_state(
+            model, block.state_dict(), norms, eh_proj, config.num_hidden_layers + i
+        )
     return state
 
 
@@ -128,7 +130,9 @@ def write_glm_checkpoint(
     model = Glm4MoeForCausalLM(config).eval()
     checkpoints._randomize_(model, torch.Generator().manual_seed(seed))
     mtp_state = _random_mtp_state(model, num_mtp_layers, seed)
-    path = checkpoints._save(Path(path), model, mtp_state, dtype=torch.float32, max_shard_size=max_shard_size, fp8=False)
+    path = checkpoints._save(
+        Path(path), model, mtp_state, dtype=torch.float32, max_shard_size=max_shard_size, fp8=False
+    )
     if fp8:
         checkpoints.rewrite_tensors(path, lambda _, tensors: _quantize(tensors))
         checkpoints.set_config_fields(path, quantization_config=checkpoints.FP8_QUANTIZATION_CONFIG)
@@ -145,7 +149,9 @@ def _quantize(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
     return out
 
 
-def write_glm_distilled_checkpoint(path: str | Path, *, num_mtp_layers: int = 1, seed: int = 0, steps: int = 100, **overrides: Any) -> Path:
+def write_glm_distilled_checkpoint(
+    path: str | Path, *, num_mtp_layers: int = 1, seed: int = 0, steps: int = 100, **overrides: Any
+) -> Path:
     """A GLM checkpoint whose MTP layers draft often but not always right: one MoE target layer, each
     MTP layer a copy of it distilled on the target's distribution (checkpoints.write_distilled_checkpoint,
     for GLM-4 MoE)."""

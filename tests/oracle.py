@@ -46,4 +46,3 @@ def hf_mtp_draft_logits(model: DeepseekV3ForCausalLM, tokens: list[int]) -> Tens
         input_ids=ids[:, 1:],
     )
     return mtp._project_to_logits(out)[0]
-

@@ -67,7 +67,12 @@ FULL_FEATURED_CONFIGS = (
         num_experts_per_tok=3,
         norm_topk_prob=False,
         rope_interleave=False,
-        rope_parameters={**TINY_YARN, "factor": 8.0, "original_max_position_embeddings": 32, "mscale": 0.707, "mscale_all_dim": 0.0},
+        rope_parameters={
+            **TINY_YARN,
+            "factor": 8.0,
+            "original_max_position_embeddings": 32,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.0,
+        },
     ),
 )
-

@@ -21,7 +21,9 @@ def prompts_for(vocab: int, lengths, seed: int) -> list[list[int]]:
     return [torch.randint(vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
-def assert_acceptance_parity(rt: Runtime, model, k: int, prompts: list[list[int]], max_new: list[int]) -> None:
+def assert_acceptance_parity(
+    rt: Runtime, model, k: int, prompts: list[list[int]], max_new: list[int]
+) -> None:
     """Greedy tokens, drafted and accepted counts per request and step equal reference_generate's;
     and the drafts are a mix of accepted and rejected (else the counts would show nothing)."""
     outs = rt.generate(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in max_new])
@@ -47,6 +49,8 @@ def distilled2(distilled2_checkpoint):
 @pytest.mark.parametrize("model_name", ["distilled", "distilled2"])
 def test_accepted_counts_equal_the_reference_on_every_bucket(model_name, k, request):
     model = request.getfixturevalue(model_name)
-    rt = Runtime(model, mtp_depth=k, batch_sizes=(1, 2, 4), max_seq_len=64, compile_backend="eager", prefill_chunk=8)
+    rt = Runtime(
+        model, mtp_depth=k, batch_sizes=(1, 2, 4), max_seq_len=64, compile_backend="eager", prefill_chunk=8
+    )
     assert_acceptance_parity(rt, model, k, prompts_for(97, [5, 1, 12, 9], seed=k), MAX_NEW)
     assert {key.split("/")[1] for key in rt.stats()["graph_replays"] if "verify" in key} == {"B1", "B2", "B4"}

@@ -44,9 +44,23 @@ def test_json_has_every_section(result):
     assert meta["device"] == "cpu" and meta["device_name"].startswith("CPU")
     assert meta["prompt_source"] == "random" and meta["recompiles"] == 0
     assert [a["k"] for a in data["acceptance"]] == [k for k in DEPTHS if k > 0]
-    assert {(e["k"], e["batch"]) for e in data["engine"]} == {(k, b) for k in (*DEPTHS, "auto") for b in BATCHES}
-    assert {(h["system"], h["batch"]) for h in data["hf"]} == {("generate", b) for b in BATCHES} | {("generate(use_mtp=True)", 1)}
-    assert {g["id"] for g in data["goals"]} >= {"speedup_b1", "bound_fraction_b1", "speedup_b4", "vs_hf_mtp_b1", "k1_acceptance", "auto_b1", "auto_b2", "vs_llama_cpp_k0", "vs_llama_cpp_best"}
+    assert {(e["k"], e["batch"]) for e in data["engine"]} == {
+        (k, b) for k in (*DEPTHS, "auto") for b in BATCHES
+    }
+    assert {(h["system"], h["batch"]) for h in data["hf"]} == {("generate", b) for b in BATCHES} | {
+        ("generate(use_mtp=True)", 1)
+    }
+    assert {g["id"] for g in data["goals"]} >= {
+        "speedup_b1",
+        "bound_fraction_b1",
+        "speedup_b4",
+        "vs_hf_mtp_b1",
+        "k1_acceptance",
+        "auto_b1",
+        "auto_b2",
+        "vs_llama_cpp_k0",
+        "vs_llama_cpp_best",
+    }
 
 
 def test_values_are_sane(result):
@@ -63,10 +77,15 @@ def test_values_are_sane(result):
         assert e["speedup"] == pytest.approx(e["tokens_per_s"] / base["tokens_per_s"])
         assert e["bound_fraction"] == pytest.approx(e["speedup"] / e["bound_speedup"])
         if e["k"] == "auto":  # every timed decode step is counted at some depth
-            assert set(e["depth_histogram"]) <= {str(k) for k in DEPTHS} and sum(e["depth_histogram"].values()) > 0
+            assert (
+                set(e["depth_histogram"]) <= {str(k) for k in DEPTHS}
+                and sum(e["depth_histogram"].values()) > 0
+            )
     assert all(h["tokens_per_s"] > 0 for h in data["hf"])
     bound = data["bound"]
-    assert bound["bandwidth_bytes_per_s"] > 0 and bound["target_bytes"] > 0 and len(bound["mtp_step_bytes"]) == 1
+    assert (
+        bound["bandwidth_bytes_per_s"] > 0 and bound["target_bytes"] > 0 and len(bound["mtp_step_bytes"]) == 1
+    )
     steps = [bound["steps_per_s"][str(k)] for k in DEPTHS]
     assert steps == sorted(steps, reverse=True)  # each draft step reads more weights
     goals = {g["id"]: g for g in data["goals"]}
@@ -89,7 +108,8 @@ def test_llama_cpp_row_when_installed(result):
 
 
 @pytest.mark.parametrize(
-    "tokens,expected,differ", [([1, 2, 3], [1, 2, 3], None), ([1, 5, 3], [1, 2, 3], 1), ([1, 2], [1, 2, 3], 2)]
+    "tokens,expected,differ",
+    [([1, 2, 3], [1, 2, 3], None), ([1, 5, 3], [1, 2, 3], 1), ([1, 2], [1, 2, 3], 2)],
 )
 def test_a_peer_that_differs_is_reported(tokens, expected, differ):
     run = bench.peer_run(tokens, expected, [0.5, 0.25])
@@ -113,10 +133,19 @@ def test_weight_bytes_count_only_the_routed_experts_a_token_uses(echo_checkpoint
     unused = experts * (cfg.n_routed_experts - cfg.num_experts_per_tok) // cfg.n_routed_experts
     embed_unread = model.model.embed_tokens.weight.nbytes - model.model.embed_tokens.weight[0].nbytes
     # Every parameter once, less unused experts and embedding rows; the draft step reads the head again.
-    assert target + mtp == everything - unused - embed_unread + model.model.embed_tokens.weight[0].nbytes + model.lm_head.weight.nbytes
+    assert (
+        target + mtp
+        == everything
+        - unused
+        - embed_unread
+        + model.model.embed_tokens.weight[0].nbytes
+        + model.lm_head.weight.nbytes
+    )
 
 
-@pytest.mark.skipif(not (DEFAULT_MODEL / "tokenizer.json").exists(), reason="the default model is not shipped yet")
+@pytest.mark.skipif(
+    not (DEFAULT_MODEL / "tokenizer.json").exists(), reason="the default model is not shipped yet"
+)
 def test_default_model_prompts_are_held_out_text():
     prompts = bench.bench_prompts(DEFAULT_MODEL, 0, 16, 32)
     assert prompts.source == "held-out"

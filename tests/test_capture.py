@@ -46,14 +46,17 @@ from compiled_mtp import Runtime, SamplingParams
 from compiled_mtp.capture.profile import load_profile
 model, profile, cache, prompts, greedy, sampled = sys.argv[1:]
 rt = Runtime.from_pretrained(model, **load_profile(profile).runtime_options(), cache_dir=cache)
-outs = [[o.token_ids for o in rt.generate(json.loads(prompts), SamplingParams(**json.loads(p)))] for p in (greedy, sampled)]
+outs = [[o.token_ids for o in rt.generate(json.loads(prompts), SamplingParams(**json.loads(p)))]
+        for p in (greedy, sampled)]
 print(json.dumps({"outputs": outs, "compiles": rt.stats()["compiles"], "loads": rt.graphs.loads}))
 """
 
 
 def _python(*args: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def _finish(proc: subprocess.Popen) -> str:
@@ -63,7 +66,9 @@ def _finish(proc: subprocess.Popen) -> str:
 
 
 def _runtime(model_dir: Path, cache: Path | None, backend: str = "inductor") -> Runtime:
-    return Runtime.from_pretrained(model_dir, **load_profile(PROFILE).runtime_options(), cache_dir=cache, compile_backend=backend)
+    return Runtime.from_pretrained(
+        model_dir, **load_profile(PROFILE).runtime_options(), cache_dir=cache, compile_backend=backend
+    )
 
 
 def _generate(rt: Runtime) -> list[list[list[int]]]:
@@ -77,7 +82,10 @@ def _reference(model) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> tuple[Path, Path]:
     """Two checkpoints of one config with different weights."""
-    return tuple(write_echo_checkpoint(tmp_path_factory.mktemp(f"echo{s}"), mtp_noise=0.3, attn_scale=0.5, seed=s) for s in (1, 2))
+    return tuple(
+        write_echo_checkpoint(tmp_path_factory.mktemp(f"echo{s}"), mtp_noise=0.3, attn_scale=0.5, seed=s)
+        for s in (1, 2)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +95,19 @@ def captured(checkpoints, tmp_path_factory) -> tuple[Path, list[str]]:
     it; returns the directory and their outputs."""
     cache = tmp_path_factory.mktemp("cache")
     procs = [
-        _python("-m", "compiled_mtp.cli", "capture", "--profile", str(PROFILE), "--model", str(m), "--cache-dir", str(cache), "--processes", str(n))
+        _python(
+            "-m",
+            "compiled_mtp.cli",
+            "capture",
+            "--profile",
+            str(PROFILE),
+            "--model",
+            str(m),
+            "--cache-dir",
+            str(cache),
+            "--processes",
+            str(n),
+        )
         for m, n in zip(checkpoints, (2, 1))
     ]
     return cache, [_finish(p) for p in procs]
@@ -114,7 +134,12 @@ def test_shipped_profiles_load():
     default = load_profile(PROFILES / "default-cpu.toml")
     assert default.device == "cpu" and default.model == ROOT / "compiled_mtp" / "default_model"
     tiny = load_profile(PROFILE)
-    assert [key.name for key in graph_keys(tiny.batch_sizes, tiny.mtp_depths)] == ["prefill/B1/K0", "draft_decode/B1/K2", "target_verify/B1/K2", "draft_extend/B1/K2"]
+    assert [key.name for key in graph_keys(tiny.batch_sizes, tiny.mtp_depths)] == [
+        "prefill/B1/K0",
+        "draft_decode/B1/K2",
+        "target_verify/B1/K2",
+        "draft_extend/B1/K2",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -155,7 +180,19 @@ def test_invalid_toml_is_one_line(tmp_path):
 # ----------------------------------------------------------------------------- keys
 
 
-def _key(model_dir: Path, key=GraphKey(GraphKind.target_verify, 1, 2), max_seq_len=64, slots=1, depth=2, chunk=8, passes=None, dtype=torch.float32):
+VERIFY_K2 = GraphKey(GraphKind.target_verify, 1, 2)
+
+
+def _key(
+    model_dir: Path,
+    key=VERIFY_K2,
+    max_seq_len=64,
+    slots=1,
+    depth=2,
+    chunk=8,
+    passes=None,
+    dtype=torch.float32,
+):
     model = load_model(model_dir, dtype=dtype)
     state = StaticState(model, slots, max_seq_len, depth)
     return aot.artifact_key(key, model, state, example_inputs(key, model, chunk), inductor_options(passes))
@@ -198,7 +235,12 @@ def test_concurrent_captures_build_each_graph_once(captured):
     assert "(1 helper process built beside this one)" in outputs[0] and "helper" not in outputs[1], outputs
     assert all("[####################] 4/4" in out for out in outputs)
     artifacts = GraphCache(cache).artifacts(environment)
-    assert sorted(a.name for a in artifacts) == ["draft_decode/B1/K2", "draft_extend/B1/K2", "prefill/B1/K0", "target_verify/B1/K2"]
+    assert sorted(a.name for a in artifacts) == [
+        "draft_decode/B1/K2",
+        "draft_extend/B1/K2",
+        "prefill/B1/K0",
+        "target_verify/B1/K2",
+    ]
     assert all(a.status == "valid" for a in artifacts)
     assert not [p for p in cache.iterdir() if p.name.startswith(".")]  # no temp files left
     # Code only: each package is a few MB at most whatever the weights (echo weights: ~0.1 MB).
@@ -209,7 +251,9 @@ def test_inspect_lists_artifacts(captured):
     cache, _ = captured
     out = _finish(_python("-m", "compiled_mtp.cli", "inspect", "--cache-dir", str(cache)))
     assert f"{cache}: 4 graphs" in out
-    assert len(re.findall(r"/B1/K\d .* seq 64, 1 slots, K<=2, passes [0-9a-f]{8} .* 2\.13\.0.* valid", out)) == 4
+    assert (
+        len(re.findall(r"/B1/K\d .* seq 64, 1 slots, K<=2, passes [0-9a-f]{8} .* 2\.13\.0.* valid", out)) == 4
+    )
 
 
 def test_the_per_user_cache_serves_without_a_profile(captured, checkpoints, tmp_path, monkeypatch):
@@ -219,7 +263,9 @@ def test_the_per_user_cache_serves_without_a_profile(captured, checkpoints, tmp_
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     _copy(cache, tmp_path / "compiled_mtp" / "graphs")
     tiny = load_profile(PROFILE)
-    rt = Runtime.from_pretrained(checkpoints[0], mtp_depth=2, batch_sizes=(1,), max_seq_len=64, prefill_chunk=tiny.prefill_chunk)
+    rt = Runtime.from_pretrained(
+        checkpoints[0], mtp_depth=2, batch_sizes=(1,), max_seq_len=64, prefill_chunk=tiny.prefill_chunk
+    )
     assert _generate(rt)[0] == _reference(rt.model)
     assert rt.stats()["compiles"] == 0 and rt.graphs.loads == 4
 
@@ -227,7 +273,11 @@ def test_the_per_user_cache_serves_without_a_profile(captured, checkpoints, tmp_
 def test_new_process_loads_with_zero_compiles_and_identical_output(captured, checkpoints):
     cache, _ = captured
     args = [json.dumps(a) for a in (PROMPTS, GREEDY, SAMPLED)]
-    result = json.loads(_finish(_python("-c", NEW_PROCESS, str(checkpoints[0]), str(PROFILE), str(cache), *args)).splitlines()[-1])
+    result = json.loads(
+        _finish(
+            _python("-c", NEW_PROCESS, str(checkpoints[0]), str(PROFILE), str(cache), *args)
+        ).splitlines()[-1]
+    )
     assert result["compiles"] == 0 and result["loads"] == 4
     eager = _runtime(checkpoints[0], None, backend="eager")
     assert result["outputs"] == _generate(eager)
@@ -279,7 +329,9 @@ def test_damaged_artifacts_are_reported_and_rebuilt(captured, checkpoints, tmp_p
     """One fault per graph: each is found (before loading where the files show it), reported in one
     line naming the package and the fault, and rebuilt in place; the output stays exact."""
     cache = _copy(captured[0], tmp_path / "cache")
-    altered, missing, garbled, unloadable = (_package(cache, kind) for kind in ("prefill", "draft_decode", "target_verify", "draft_extend"))
+    altered, missing, garbled, unloadable = (
+        _package(cache, kind) for kind in ("prefill", "draft_decode", "target_verify", "draft_extend")
+    )
     data = bytearray(altered.read_bytes())
     data[len(data) // 2] ^= 0xFF  # same size: only the checksum can tell
     altered.write_bytes(bytes(data))
@@ -312,7 +364,10 @@ def test_stale_artifacts_are_reported_and_rebuilt(captured, checkpoints, tmp_pat
     # Built by another torch version: the metadata says so.
     meta = _package(cache, "target_verify").with_suffix(".json")
     meta.write_text(meta.read_text().replace(torch.__version__, "2.0.0"))
-    assert "stale (built for torch 2.0.0" in {a.name: a.status for a in GraphCache(cache).artifacts(environment)}["target_verify/B1/K2"]
+    assert (
+        "stale (built for torch 2.0.0"
+        in {a.name: a.status for a in GraphCache(cache).artifacts(environment)}["target_verify/B1/K2"]
+    )
     # Another graph at this graph's path (another config's package copied over it): never run it.
     decode, extend = _package(cache, "draft_decode"), _package(cache, "draft_extend")
     for suffix in (".pt2", ".json"):
@@ -322,6 +377,12 @@ def test_stale_artifacts_are_reported_and_rebuilt(captured, checkpoints, tmp_pat
         assert _generate(rt)[0] == _reference(rt.model)
     assert rt.stats()["compiles"] == 2
     extend_line, verify_line = sorted(_cache_log(caplog))
-    assert extend_line.startswith(f"capture cache: draft_extend/B1/K2 at {extend} is stale (") and "built for kind draft_decode, not draft_extend" in extend_line
+    assert (
+        extend_line.startswith(f"capture cache: draft_extend/B1/K2 at {extend} is stale (")
+        and "built for kind draft_decode, not draft_extend" in extend_line
+    )
     verify = _package(cache, "target_verify")
-    assert verify_line == f"capture cache: target_verify/B1/K2 at {verify} is stale (built for torch 2.0.0, not {torch.__version__}); rebuilding it"
+    assert verify_line == (
+        f"capture cache: target_verify/B1/K2 at {verify} is stale (built for torch 2.0.0, not {torch.__version__}); "
+        "rebuilding it"
+    )

@@ -30,7 +30,9 @@ ENGINE = ["--backend", "eager", "--max-seq-len", "128"]
 @pytest.fixture(scope="module")
 def text_model(tmp_path_factory):
     """A random 2-layer checkpoint with the shipped model's tokenizer: text in and out, quickly."""
-    path = write_random_checkpoint(tmp_path_factory.mktemp("text"), preset_config("tiny") | {"vocab_size": 4096, "num_hidden_layers": 2})
+    path = write_random_checkpoint(
+        tmp_path_factory.mktemp("text"), preset_config("tiny") | {"vocab_size": 4096, "num_hidden_layers": 2}
+    )
     shutil.copy(DEFAULT_MODEL / "tokenizer.json", path)
     return path
 
@@ -45,7 +47,9 @@ def _fails(argv: list[str], capsys) -> str:
 
 
 def test_every_flag_has_help_with_its_default():
-    subcommands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    subcommands = next(
+        a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)
+    ).choices
     for name, sub in subcommands.items():
         for action in sub._actions:
             if isinstance(action, argparse._HelpAction) or not action.option_strings or action.required:
@@ -54,8 +58,6 @@ def test_every_flag_has_help_with_its_default():
             assert "(default: " in text, f"{name} {action.option_strings[0]}: {text!r}"
             if isinstance(action.default, (int, float, str)) and not isinstance(action.default, bool):
                 assert f"default: {action.default}" in text, f"{name} {action.option_strings[0]}: {text!r}"
-
-
 
 
 def _utf8(ids: list[int]) -> str:
@@ -84,7 +86,10 @@ def test_streamed_text_is_never_taken_back(text, stops, chunks):
         written += out.take()
         assert expected.startswith(written)
     out.add(ids[start:], RequestOutput(0, [], finish_reason="length"))
-    assert written + out.take() == f"{expected}\nfinish_reason={'stop' if cuts else 'length'} drafted=0 accepted=0\n"
+    assert (
+        written + out.take()
+        == f"{expected}\nfinish_reason={'stop' if cuts else 'length'} drafted=0 accepted=0\n"
+    )
 
 
 PROMPTS = ["def f(x):", "class A:"]
@@ -92,7 +97,9 @@ PROMPTS = ["def f(x):", "class A:"]
 
 @pytest.fixture(scope="module")
 def api_outputs(text_model):
-    rt = Runtime.from_pretrained(text_model, mtp_depth=1, batch_sizes=(1,), max_seq_len=128, compile_backend="eager")
+    rt = Runtime.from_pretrained(
+        text_model, mtp_depth=1, batch_sizes=(1,), max_seq_len=128, compile_backend="eager"
+    )
     return rt.generate(PROMPTS, SamplingParams(max_new_tokens=8))
 
 
@@ -100,7 +107,11 @@ def api_outputs(text_model):
 def test_prompts_file_stop_and_stream_match_the_api(text_model, api_outputs, tmp_path, monkeypatch, stream):
     prompts, (first, second) = PROMPTS, api_outputs
     # A stop string from the middle of the first output that the second does not contain.
-    stop = next(first.text[i : i + 3] for i in range(4, len(first.text) - 3) if first.text[i : i + 3] not in second.text)
+    stop = next(
+        first.text[i : i + 3]
+        for i in range(4, len(first.text) - 3)
+        if first.text[i : i + 3] not in second.text
+    )
     cut = first.text.index(stop)
     (tmp_path / "prompts.txt").write_text(f"{prompts[0]}\n\n{prompts[1]}\n")
 
@@ -108,15 +119,37 @@ def test_prompts_file_stop_and_stream_match_the_api(text_model, api_outputs, tmp
     steps, writes = [0], []
     step = Runtime.step
     monkeypatch.setattr(Runtime, "step", lambda rt: steps.__setitem__(0, steps[0] + 1) or step(rt))
-    monkeypatch.setattr(sys, "stdout", type("Out", (), {"write": lambda _, s: writes.append((steps[0], s)), "flush": lambda _: None})())
+    monkeypatch.setattr(
+        sys,
+        "stdout",
+        type("Out", (), {"write": lambda _, s: writes.append((steps[0], s)), "flush": lambda _: None})(),
+    )
     flags = ["--stream"] * stream
-    main(["generate", "--prompts-file", str(tmp_path / "prompts.txt"), "--model", str(text_model), "--max-new-tokens", "8", "--mtp-depth", "1", "--stop", stop, *flags, *ENGINE])
+    main(
+        [
+            "generate",
+            "--prompts-file",
+            str(tmp_path / "prompts.txt"),
+            "--model",
+            str(text_model),
+            "--max-new-tokens",
+            "8",
+            "--mtp-depth",
+            "1",
+            "--stop",
+            stop,
+            *flags,
+            *ENGINE,
+        ]
+    )
 
     out = "".join(s for _, s in writes)
     finish = r"\nfinish_reason={} drafted=\d+ accepted=\d+\n"
     expected = (
-        re.escape(prompts[0] + first.text[:cut]) + finish.format("stop")
-        + re.escape(prompts[1] + second.text) + finish.format(second.finish_reason)
+        re.escape(prompts[0] + first.text[:cut])
+        + finish.format("stop")
+        + re.escape(prompts[1] + second.text)
+        + finish.format(second.finish_reason)
         + r"  K=1: (\d+) tokens in .* acceptance length [\d.]+, .*\n"
     )
     match = re.fullmatch(expected, out, re.S)
@@ -131,14 +164,29 @@ def test_prompts_file_stop_and_stream_match_the_api(text_model, api_outputs, tmp
 
 def test_depth_zero_reports_acceptance_length_one(text_model, capsys):
     for new_tokens in ("1", "6"):  # with no decode step, and with five
-        main(["generate", "def", "--model", str(text_model), "--mtp-depth", "0", "--max-new-tokens", new_tokens, *ENGINE])
+        main(
+            [
+                "generate",
+                "def",
+                "--model",
+                str(text_model),
+                "--mtp-depth",
+                "0",
+                "--max-new-tokens",
+                new_tokens,
+                *ENGINE,
+            ]
+        )
         assert ", acceptance length 1.00, " in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
     "argv,message",
     [
-        (["--seed", str(2**70), "--temperature", "1"], r"seed: must be in \[0, 2\*\*63 - 1\] or None, got 1180591620717411303424"),
+        (
+            ["--seed", str(2**70), "--temperature", "1"],
+            r"seed: must be in \[0, 2\*\*63 - 1\] or None, got 1180591620717411303424",
+        ),
         (["--seed", "-1"], r"seed: must be in \[0, 2\*\*63 - 1\] or None, got -1"),
         (["--temperature", "inf"], r"temperature: must be finite and >= 0 \(0 = greedy\), got inf"),
         (["--ids"], r"prompt: expected token ids separated by spaces or commas, got 'def'"),
@@ -155,7 +203,11 @@ def test_bad_generate_options_are_one_line_errors(text_model, capsys, argv, mess
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
 def test_cuda_on_a_cpu_only_torch_is_a_one_line_error(text_model, capsys):
     err = _fails(["generate", "def", "--model", str(text_model), "--device", "cuda"], capsys)
-    assert re.fullmatch(r"error: device: cuda (needs a CUDA build of torch; this one \(.*\) is CPU-only, use cpu|is not available \(0 CUDA devices visible\))", err)
+    assert re.fullmatch(
+        r"error: device: cuda (needs a CUDA build of torch; this one \(.*\) is CPU-only, use cpu"
+        r"|is not available \(0 CUDA devices visible\))",
+        err,
+    )
 
 
 def test_cache_paths_that_are_files_or_missing(text_model, tmp_path, capsys):
@@ -163,11 +215,28 @@ def test_cache_paths_that_are_files_or_missing(text_model, tmp_path, capsys):
     file.write_text("")
     generate = ["generate", "def", "--model", str(text_model), "--cache-dir"]
     assert _fails([*generate, str(file)], capsys) == f"error: cache_dir: {file} is not a directory"
-    assert _fails([*generate, str(file / "graphs")], capsys) == f"error: cache_dir: {file / 'graphs'}: {file} is not a directory"
-    capture = ["capture", "--profile", "profiles/test-tiny.toml", "--model", str(text_model), "--cache-dir", str(file)]
+    assert (
+        _fails([*generate, str(file / "graphs")], capsys)
+        == f"error: cache_dir: {file / 'graphs'}: {file} is not a directory"
+    )
+    capture = [
+        "capture",
+        "--profile",
+        "profiles/test-tiny.toml",
+        "--model",
+        str(text_model),
+        "--cache-dir",
+        str(file),
+    ]
     assert _fails(capture, capsys) == f"error: cache_dir: {file} is not a directory"
-    assert _fails(["inspect", "--cache-dir", str(file)], capsys) == f"error: cache_dir: {file} is not a directory"
-    assert _fails(["inspect", "--cache-dir", str(tmp_path / "none")], capsys) == f"error: cache_dir: {tmp_path / 'none'} does not exist"
+    assert (
+        _fails(["inspect", "--cache-dir", str(file)], capsys)
+        == f"error: cache_dir: {file} is not a directory"
+    )
+    assert (
+        _fails(["inspect", "--cache-dir", str(tmp_path / "none")], capsys)
+        == f"error: cache_dir: {tmp_path / 'none'} does not exist"
+    )
     assert not (tmp_path / "none").exists()
 
 
@@ -189,10 +258,14 @@ def test_an_unwritable_cache_falls_back_to_in_process_graphs(text_model, tmp_pat
             cache.rmdir()
             pytest.skip(f"{cache.parent} accepts new directories here")
     with caplog.at_level(logging.WARNING, logger="compiled_mtp"):
-        rt = Runtime.from_pretrained(text_model, mtp_depth=0, batch_sizes=(1,), max_seq_len=64, cache_dir=cache)
+        rt = Runtime.from_pretrained(
+            text_model, mtp_depth=0, batch_sizes=(1,), max_seq_len=64, cache_dir=cache
+        )
     assert rt.graphs.cache is None  # graphs compile in the process, as without a cache
     assert len(caplog.records) == 1
-    assert re.fullmatch(f"capture cache: {why}; building the graphs in this process instead", caplog.records[0].getMessage())
+    assert re.fullmatch(
+        f"capture cache: {why}; building the graphs in this process instead", caplog.records[0].getMessage()
+    )
     assert not cache.exists() or list(cache.iterdir()) == []
 
 
@@ -208,7 +281,9 @@ def test_graph_builds_report_their_key_time_and_the_count_left(text_model, caplo
     def reported() -> list[str]:
         return [r.getMessage() for r in caplog.records if r.name == progress.name]
 
-    rt = Runtime.from_pretrained(text_model, mtp_depth=0, batch_sizes=(1,), max_seq_len=64, compile_backend="aot_eager")
+    rt = Runtime.from_pretrained(
+        text_model, mtp_depth=0, batch_sizes=(1,), max_seq_len=64, compile_backend="aot_eager"
+    )
     progress.addHandler(caplog.handler)
     try:
         rt.generate([[1, 2, 3]], SamplingParams(max_new_tokens=3))
@@ -229,7 +304,23 @@ def test_graph_builds_report_their_key_time_and_the_count_left(text_model, caplo
 def test_random_checkpoint_then_generate_from_ids(tmp_path, capsys):
     main(["random-checkpoint", "--preset", "tiny", "--out", str(tmp_path / "ckpt"), "--seed", "3"])
     assert capsys.readouterr().out == f"wrote a random 'tiny' DeepSeek-V3 checkpoint to {tmp_path / 'ckpt'}\n"
-    main(["generate", "--ids", "5 6 7", "--model", str(tmp_path / "ckpt"), "--mtp-depth", "2", "--max-new-tokens", "9", "--backend", "eager", "--max-seq-len", "32"])
+    main(
+        [
+            "generate",
+            "--ids",
+            "5 6 7",
+            "--model",
+            str(tmp_path / "ckpt"),
+            "--mtp-depth",
+            "2",
+            "--max-new-tokens",
+            "9",
+            "--backend",
+            "eager",
+            "--max-seq-len",
+            "32",
+        ]
+    )
     lines = capsys.readouterr().out.splitlines()
     model = load_model(tmp_path / "ckpt")
     expected = reference_generate(model, [[5, 6, 7]], 9, 0)[0].token_ids
@@ -240,7 +331,20 @@ def test_random_checkpoint_then_generate_from_ids(tmp_path, capsys):
 
 def test_generate_text_on_the_shipped_model(capsys):
     prompt = "def add(a, b):\n"
-    main(["generate", prompt, "--mtp-depth", "1", "--max-new-tokens", "6", "--backend", "eager", "--max-seq-len", "64"])
+    main(
+        [
+            "generate",
+            prompt,
+            "--mtp-depth",
+            "1",
+            "--max-new-tokens",
+            "6",
+            "--backend",
+            "eager",
+            "--max-seq-len",
+            "64",
+        ]
+    )
     lines = capsys.readouterr().out.splitlines()
     tokenizer = Tokenizer.find(DEFAULT_MODEL)
     expected = reference_generate(load_model(DEFAULT_MODEL), [tokenizer.encode(prompt)], 6, 0)[0].token_ids
@@ -256,8 +360,14 @@ def test_demo_runs_every_depth_and_prints_the_greedy_text(capsys):
     out = capsys.readouterr().out
     assert re.search(r"^graphs ready in [\d.]+ s \(0 built here, 0 loaded from the cache\)$", out, re.M), out
     for depth in ("0", "3", "auto"):
-        assert re.search(rf"^  K={depth}: graphs ready in [\d.]+ s \(0 compiled, 0 loaded from the cache\)$", out, re.M), out
-        assert re.search(rf"^  K={depth}.*: 4 tokens in [\d.]+ s \([\d.]+ tok/s\), acceptance length", out, re.M), out
+        assert re.search(
+            rf"^  K={depth}: graphs ready in [\d.]+ s \(0 compiled, 0 loaded from the cache\)$", out, re.M
+        ), out
+        assert re.search(
+            rf"^  K={depth}.*: 4 tokens in [\d.]+ s \([\d.]+ tok/s\), acceptance length", out, re.M
+        ), out
     tokenizer = Tokenizer.find(DEFAULT_MODEL)
-    expected = reference_generate(load_model(DEFAULT_MODEL), [tokenizer.encode(DEMO_PROMPT)], 4, 0)[0].token_ids
+    expected = reference_generate(load_model(DEFAULT_MODEL), [tokenizer.encode(DEMO_PROMPT)], 4, 0)[
+        0
+    ].token_ids
     assert out.endswith("generated (auto, greedy):\n" + DEMO_PROMPT + tokenizer.decode(expected) + "\n")

@@ -26,12 +26,17 @@ PARAMS = SamplingParams(max_new_tokens=10, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def noisy_echo(tmp_path_factory):
-    return load_model(write_echo_checkpoint(tmp_path_factory.mktemp("noisy"), mtp_noise=0.3, attn_scale=0.5, seed=1))
+    return load_model(
+        write_echo_checkpoint(tmp_path_factory.mktemp("noisy"), mtp_noise=0.3, attn_scale=0.5, seed=1)
+    )
 
 
 def _prompts(n: int, seed: int = 0) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(97, (int(torch.randint(1, 9, (), generator=gen)),), generator=gen).tolist() for _ in range(n)]
+    return [
+        torch.randint(97, (int(torch.randint(1, 9, (), generator=gen)),), generator=gen).tolist()
+        for _ in range(n)
+    ]
 
 
 def _expected(model, prompts, max_new=10):
@@ -39,7 +44,15 @@ def _expected(model, prompts, max_new=10):
 
 
 def test_every_key_traces_whole_and_matches_reference(noisy_echo):
-    rt = Runtime(noisy_echo, mtp_depth=0, mtp_depths=range(5), batch_sizes=(1, 2), max_seq_len=48, compile_backend="aot_eager", prefill_chunk=8)
+    rt = Runtime(
+        noisy_echo,
+        mtp_depth=0,
+        mtp_depths=range(5),
+        batch_sizes=(1, 2),
+        max_seq_len=48,
+        compile_backend="aot_eager",
+        prefill_chunk=8,
+    )
     prompts = _prompts(3)
     for k in range(5):
         rt.mtp_depth = k
@@ -50,7 +63,15 @@ def test_every_key_traces_whole_and_matches_reference(noisy_echo):
 
 
 def test_mixed_workload_after_warmup_triggers_no_recompile(noisy_echo):
-    rt = Runtime(noisy_echo, mtp_depth=2, mtp_depths=(0, 2), batch_sizes=(1, 2, 4), max_seq_len=64, compile_backend="aot_eager", prefill_chunk=8)
+    rt = Runtime(
+        noisy_echo,
+        mtp_depth=2,
+        mtp_depths=(0, 2),
+        batch_sizes=(1, 2, 4),
+        max_seq_len=64,
+        compile_backend="aot_eager",
+        prefill_chunk=8,
+    )
     for n in (1, 2, 4):  # warm-up: every key once (back to K=2 after K=0 steps, M catches up)
         for prompt in _prompts(n, seed=n):
             rt.add_request(prompt, PARAMS)
@@ -62,7 +83,13 @@ def test_mixed_workload_after_warmup_triggers_no_recompile(noisy_echo):
     warm = rt.stats()["compiles"]
     mixed = [
         SamplingParams(max_new_tokens=n, temperature=t, top_k=tk, top_p=tp, seed=s, ignore_eos=True)
-        for n, t, tk, tp, s in [(7, 0.0, 0, 1.0, None), (15, 0.8, 20, 0.9, 1), (3, 1.2, 0, 1.0, 2), (20, 0.5, 5, 1.0, 3), (11, 0.0, 0, 1.0, None)]
+        for n, t, tk, tp, s in [
+            (7, 0.0, 0, 1.0, None),
+            (15, 0.8, 20, 0.9, 1),
+            (3, 1.2, 0, 1.0, 2),
+            (20, 0.5, 5, 1.0, 3),
+            (11, 0.0, 0, 1.0, None),
+        ]
     ]
     step = 0
     for prompt, params in zip(_prompts(5, seed=9), mixed):
@@ -84,7 +111,14 @@ def test_step_tensor_unlike_the_traced_one_fails_loudly(noisy_echo, change):
     """Graphs skip Dynamo's guards on the model's and the state's modules, which never change after
     capture, but keep those on the step tensors: a call with noise of another width or dtype than
     its key traced raises instead of running the graph."""
-    rt = Runtime(noisy_echo, mtp_depth=1, batch_sizes=(1,), max_seq_len=48, compile_backend="aot_eager", prefill_chunk=8)
+    rt = Runtime(
+        noisy_echo,
+        mtp_depth=1,
+        batch_sizes=(1,),
+        max_seq_len=48,
+        compile_backend="aot_eager",
+        prefill_chunk=8,
+    )
     rt.generate(_prompts(1), PARAMS)
     key = GraphKey(GraphKind.target_verify, 1, 1)
     assert rt.graphs.replays[key] > 0
@@ -106,7 +140,15 @@ def test_inductor_graphs_equal_the_reference(tmp_path, monkeypatch):
     monkeypatch.setattr(narrow_linear, "KERNEL_WEIGHT", 0)
     model = load_model(write_echo_checkpoint(tmp_path, mtp_noise=0.3, attn_scale=0.5, seed=4, num_layers=2))
     model.restrict_drafts(torch.arange(0, 97, 2))
-    rt = Runtime(model, mtp_depth=2, mtp_depths=(0, 2), batch_sizes=(1, 2), max_seq_len=48, compile_backend="inductor", prefill_chunk=8)
+    rt = Runtime(
+        model,
+        mtp_depth=2,
+        mtp_depths=(0, 2),
+        batch_sizes=(1, 2),
+        max_seq_len=48,
+        compile_backend="inductor",
+        prefill_chunk=8,
+    )
     prompts = _prompts(3, seed=5)
     codes: list[str] = []
     with mock.patch.object(GraphLowering, "save_output_code", codes.append):  # also called on a cache hit
@@ -127,21 +169,38 @@ def test_inductor_graphs_equal_the_reference(tmp_path, monkeypatch):
         for t, tk, tp, s in [(0.8, 0, 1.0, 1), (1.0, 5, 1.0, 2), (1.2, 0, 0.9, 3)]
     ]
     rt.mtp_depth = 2
-    eager = Runtime(model, mtp_depth=2, mtp_depths=(0, 2), batch_sizes=(1, 2), max_seq_len=48, compile_backend="eager", prefill_chunk=8)
-    assert [o.token_ids for o in rt.generate(prompts, sampled)] == [o.token_ids for o in eager.generate(prompts, sampled)]
+    eager = Runtime(
+        model,
+        mtp_depth=2,
+        mtp_depths=(0, 2),
+        batch_sizes=(1, 2),
+        max_seq_len=48,
+        compile_backend="eager",
+        prefill_chunk=8,
+    )
+    assert [o.token_ids for o in rt.generate(prompts, sampled)] == [
+        o.token_ids for o in eager.generate(prompts, sampled)
+    ]
     stats = rt.stats()
     assert stats["compiles"] == len(stats["graph_replays"]) == len(codes)
 
 
 def _assert_state_written_in_place(rt: Runtime, codes: list[str]) -> None:
-    """No graph allocates a buffer as large as a cache or one layer of it: each writes its rows in place, so a step costs
-    what its rows read, not a copy of every slot's cache (Inductor copied the cache whole, and back,
-    where a graph wrote it through a view)."""
-    caches = {size for cache in (rt.state.target_cache, rt.state.mtp_cache) for size in (cache.numel(), cache[0].numel())}
+    """No graph allocates a buffer as large as a cache or one layer of it: each writes its rows in place, so a
+    step costs what its rows read, not a copy of every slot's cache (Inductor copied the cache whole, and
+    back, where a graph wrote it through a view)."""
+    caches = {
+        size
+        for cache in (rt.state.target_cache, rt.state.mtp_cache)
+        for size in (cache.numel(), cache[0].numel())
+    }
     # Every kind ran: prefill, draft_decode, target_verify and draft_extend at K=2, target_verify at K=0, mtp_catch_up.
     assert {key.kind for key in rt.graphs.replays} == set(GraphKind)
     assert len(codes) == len(rt.graphs.replays)  # every graph's code, compiled or loaded
     for code in codes:
-        shapes = [tuple(map(int, re.findall(r"\d+", dims))) for dims in re.findall(r"empty_strided_\w+\(\(([\d, ]*)\)", code)]
+        shapes = [
+            tuple(map(int, re.findall(r"\d+", dims)))
+            for dims in re.findall(r"empty_strided_\w+\(\(([\d, ]*)\)", code)
+        ]
         assert shapes, "no allocations found: has the generated code changed form?"
         assert not [s for s in shapes if math.prod(s) in caches]

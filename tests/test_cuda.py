@@ -34,11 +34,17 @@ def checkpoint(tmp_path_factory):
 
 def test_cuda_graphs_equal_the_reference(checkpoint):
     model = load_model(checkpoint, device="cuda")
-    rt = Runtime(model, mtp_depth=2, batch_sizes=(1, 2), max_seq_len=48, compile_backend="inductor", prefill_chunk=8)
+    rt = Runtime(
+        model, mtp_depth=2, batch_sizes=(1, 2), max_seq_len=48, compile_backend="inductor", prefill_chunk=8
+    )
     expected = [reference_generate(model, [p], 10, 0)[0].token_ids for p in PROMPTS]
     assert [o.token_ids for o in rt.generate(PROMPTS, GREEDY)] == expected
-    eager = Runtime(model, mtp_depth=2, batch_sizes=(1, 2), max_seq_len=48, compile_backend="eager", prefill_chunk=8)
-    assert [o.token_ids for o in rt.generate(PROMPTS, SAMPLED)] == [o.token_ids for o in eager.generate(PROMPTS, SAMPLED)]
+    eager = Runtime(
+        model, mtp_depth=2, batch_sizes=(1, 2), max_seq_len=48, compile_backend="eager", prefill_chunk=8
+    )
+    assert [o.token_ids for o in rt.generate(PROMPTS, SAMPLED)] == [
+        o.token_ids for o in eager.generate(PROMPTS, SAMPLED)
+    ]
     stats = rt.stats()
     assert stats["compiles"] == 1 + 2 * 3  # a recompile would have raised (fail_on_recompile)
 
@@ -49,12 +55,22 @@ def test_verify_sampling_is_fused_on_cuda_only_when_asked(checkpoint, monkeypatc
     model = load_model(checkpoint, device="cuda")
     state = StaticState(model, num_slots=3, max_seq_len=32, max_depth=2)
     key = GraphKey(GraphKind.target_verify, 2, 2)
-    _, after = post_grad_graphs(key.kind, model, state, example_inputs(key, model, 8), ("fuse_verify_sampling",))
+    _, after = post_grad_graphs(
+        key.kind, model, state, example_inputs(key, model, 8), ("fuse_verify_sampling",)
+    )
     fused = [n for n in after.graph.nodes if n.target is fuse_verify_sampling.FuseVerifySampling.op]
     assert len(fused) == fuse and all(n.args[0].meta["val"].is_cuda for n in fused)
 
 
 def test_capture_cache_refuses_cuda_before_building_anything(checkpoint, tmp_path):
-    with pytest.raises(ValueError, match="^cache_dir: the capture cache holds CPU graphs only") as e:
-        Runtime.from_pretrained(checkpoint, mtp_depth=1, batch_sizes=(1,), max_seq_len=48, prefill_chunk=8, device="cuda", cache_dir=tmp_path / "graphs")
+    with pytest.raises(ValueError, match=r"^cache_dir: the capture cache holds CPU graphs only") as e:
+        Runtime.from_pretrained(
+            checkpoint,
+            mtp_depth=1,
+            batch_sizes=(1,),
+            max_seq_len=48,
+            prefill_chunk=8,
+            device="cuda",
+            cache_dir=tmp_path / "graphs",
+        )
     assert "\n" not in str(e.value) and not (tmp_path / "graphs").exists()

@@ -113,25 +113,37 @@ def test_mtp_agrees_with_target_on_true_text(model, tokenizer):
     t = tokens.shape[1]
     slots, pos = torch.tensor([0]), torch.arange(t)[None]
     hidden = model.forward_target(tokens, pos, pos, slots, model.new_cache(model.cfg.num_hidden_layers, 1, t))
-    mtp = model.forward_mtp(0, tokens[:, 1:], hidden[:, :-1], pos[:, :-1], pos[:, :-1], slots, model.new_cache(1, 1, t))
+    mtp = model.forward_mtp(
+        0, tokens[:, 1:], hidden[:, :-1], pos[:, :-1], pos[:, :-1], slots, model.new_cache(1, 1, t)
+    )
     agree = (model.logits(mtp).argmax(-1) == model.logits(hidden[:, 1:]).argmax(-1)).float().mean().item()
-    assert agree >= MIN_AGREEMENT, f"teacher-forced agreement {agree:.3f} < {MIN_AGREEMENT} (measured {MEASURED_AGREEMENT})"
+    assert agree >= MIN_AGREEMENT, (
+        f"teacher-forced agreement {agree:.3f} < {MIN_AGREEMENT} (measured {MEASURED_AGREEMENT})"
+    )
 
 
 def test_k1_greedy_acceptance_on_held_out_prompt(model, tokenizer):
     prompt = tokenizer.encode(PROMPT).ids
     out = reference_generate(model, [prompt], 64, 1)[0]
     rate = sum(out.accepted) / len(out.accepted)
-    assert rate >= MIN_ACCEPTANCE, f"K=1 acceptance {rate:.3f} < {MIN_ACCEPTANCE} (measured {MEASURED_ON_PROMPT})"
+    assert rate >= MIN_ACCEPTANCE, (
+        f"K=1 acceptance {rate:.3f} < {MIN_ACCEPTANCE} (measured {MEASURED_ON_PROMPT})"
+    )
 
 
-@pytest.mark.skipif(platform.python_version() != LOG["python"], reason=f"the stdlib text is Python {LOG['python']}'s")
+@pytest.mark.skipif(
+    platform.python_version() != LOG["python"], reason=f"the stdlib text is Python {LOG['python']}'s"
+)
 def test_corpus_split_is_the_one_the_model_was_trained_on(tokenizer):
     """File and held-out token counts, the acceptance prompts found and the first one's text (the log's
     second sample), as the training log records them."""
     train, held = corpus.split(corpus.stdlib_files())
     assert {"train": len(train), "held_out": len(held)} == LOG["files"]
-    assert sum(1 + len(tokenizer.encode(text).ids) for _, text in held) == LOG["tokens"]["held_out"]  # + <|endoftext|>
-    prompts = corpus.acceptance_prompts(lambda text: tokenizer.encode(text).ids, held, LOG["acceptance"]["prompts"], 64)
+    assert (
+        sum(1 + len(tokenizer.encode(text).ids) for _, text in held) == LOG["tokens"]["held_out"]
+    )  # + <|endoftext|>
+    prompts = corpus.acceptance_prompts(
+        lambda text: tokenizer.encode(text).ids, held, LOG["acceptance"]["prompts"], 64
+    )
     assert len(prompts) == LOG["acceptance"]["prompts"]
     assert tokenizer.decode(prompts[0]) == LOG["samples"][1]["prompt"]

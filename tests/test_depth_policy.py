@@ -45,12 +45,16 @@ def test_every_depth_is_measured_before_any_is_chosen_on_merit():
     remaining=st.lists(st.integers(1, 64), min_size=4, max_size=4),
     current=st.integers(0, 3),
 )
-def test_choice_is_the_best_value_unless_the_current_one_is_within_the_margin(costs, rates, remaining, current):
+def test_choice_is_the_best_value_unless_the_current_one_is_within_the_margin(
+    costs, rates, remaining, current
+):
     policy = DepthPolicy((0, 1, 2, 3), margin=0.03)
     _measured(policy, 4, dict(enumerate(costs)))
     policy.current = current
     remaining = remaining[: len(rates)]
-    value = {k: sum(min(expected_tokens(r, k), n) for r, n in zip(rates, remaining)) / costs[k] for k in range(4)}
+    value = {
+        k: sum(min(expected_tokens(r, k), n) for r, n in zip(rates, remaining)) / costs[k] for k in range(4)
+    }
     chosen = policy.choose(4, rates, remaining)
     best = max(value.values())
     if value[current] * 1.03 >= best:

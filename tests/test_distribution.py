@@ -61,7 +61,9 @@ def _chain(model, target: bool) -> torch.Tensor:
 def _transitions(model, k: int | str, seed: int) -> tuple[torch.Tensor, dict[int, int]]:
     """(previous, next) pairs in generation order, from batches of seeded requests, and the steps run
     at each depth."""
-    rt = Runtime(model, mtp_depth=k, batch_sizes=(16,), max_seq_len=64, compile_backend="eager", prefill_chunk=4)
+    rt = Runtime(
+        model, mtp_depth=k, batch_sizes=(16,), max_seq_len=64, compile_backend="eager", prefill_chunk=4
+    )
     gen = torch.Generator().manual_seed(seed)
     pairs: list[torch.Tensor] = []
     seed = 0
@@ -70,7 +72,9 @@ def _transitions(model, k: int | str, seed: int) -> tuple[torch.Tensor, dict[int
         params = []
         for _ in starts:
             seed += 1
-            params.append(SamplingParams(max_new_tokens=48, temperature=TEMPERATURE, seed=seed, ignore_eos=True))
+            params.append(
+                SamplingParams(max_new_tokens=48, temperature=TEMPERATURE, seed=seed, ignore_eos=True)
+            )
         for start, out in zip(starts, rt.generate([[s] for s in starts], params)):
             seq = torch.tensor([start] + out.token_ids)
             pairs.append(torch.stack([seq[:-1], seq[1:]], dim=1))
@@ -78,7 +82,9 @@ def _transitions(model, k: int | str, seed: int) -> tuple[torch.Tensor, dict[int
 
 
 def _counts(pairs: torch.Tensor) -> torch.Tensor:
-    return torch.bincount(pairs[:, 0] * VOCAB + pairs[:, 1], minlength=VOCAB * VOCAB).view(VOCAB, VOCAB).double()
+    return (
+        torch.bincount(pairs[:, 0] * VOCAB + pairs[:, 1], minlength=VOCAB * VOCAB).view(VOCAB, VOCAB).double()
+    )
 
 
 def _distance(counts: torch.Tensor, chain: torch.Tensor) -> float:
@@ -144,29 +150,50 @@ def _truncated_chain(model) -> torch.Tensor:
 
     tokens = torch.arange(VOCAB)[:, None]
     zeros = torch.zeros(VOCAB, 1, dtype=torch.long)
-    h = model.forward_target(tokens, zeros, zeros, torch.zeros(VOCAB, dtype=torch.long), model.new_cache(1, 1, 1))
+    h = model.forward_target(
+        tokens, zeros, zeros, torch.zeros(VOCAB, dtype=torch.long), model.new_cache(1, 1, 1)
+    )
     rows = torch.full((VOCAB,), 1.0)
-    return processed_probs(model.logits(h)[:, 0], rows * TEMPERATURE, (rows * TOP_K).long(), rows * TOP_P).double()
+    return processed_probs(
+        model.logits(h)[:, 0], rows * TEMPERATURE, (rows * TOP_K).long(), rows * TOP_P
+    ).double()
 
 
 def _streamed_transitions(model, seed: int) -> tuple[torch.Tensor, dict[int, int]]:
     """Like _transitions, with top-k and top-p, requests joining between steps and leaving when done
     (the batch moves between buckets) and the depth switching every step among 0..3."""
-    rt = Runtime(model, mtp_depth=0, mtp_depths=(0, 1, 2, 3), batch_sizes=(4, 8, 16), max_seq_len=64, compile_backend="eager", prefill_chunk=4)
+    rt = Runtime(
+        model,
+        mtp_depth=0,
+        mtp_depths=(0, 1, 2, 3),
+        batch_sizes=(4, 8, 16),
+        max_seq_len=64,
+        compile_backend="eager",
+        prefill_chunk=4,
+    )
     gen = torch.Generator().manual_seed(seed)
     tokens: dict[int, list[int]] = {}
     schedule, step, total = [3, 0, 1, 2, 0, 3, 3], 0, 0
     while total < STREAMED:
         for _ in range(int(torch.randint(0, 7, (), generator=gen))):  # about 16 running, more queued
             start, n = torch.randint(VOCAB, (2,), generator=gen).tolist()
-            params = SamplingParams(max_new_tokens=8 + 4 * n, temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P, seed=seed * 100_000 + len(tokens), ignore_eos=True)
+            params = SamplingParams(
+                max_new_tokens=8 + 4 * n,
+                temperature=TEMPERATURE,
+                top_k=TOP_K,
+                top_p=TOP_P,
+                seed=seed * 100_000 + len(tokens),
+                ignore_eos=True,
+            )
             tokens[rt.add_request([start], params)] = [start]
         rt.mtp_depth = schedule[step % len(schedule)]
         for out in rt.step():
             tokens[out.request_id] += out.new_token_ids
             total += len(out.new_token_ids)
         step += 1
-    pairs = [torch.stack([torch.tensor(t[:-1]), torch.tensor(t[1:])], dim=1) for t in tokens.values() if len(t) > 1]
+    pairs = [
+        torch.stack([torch.tensor(t[:-1]), torch.tensor(t[1:])], dim=1) for t in tokens.values() if len(t) > 1
+    ]
     return torch.cat(pairs)[:STREAMED], rt.stats()["depth_histogram"]
 
 

@@ -28,7 +28,10 @@ def test_ranking_is_by_count_then_by_id(streams):
 
 
 def test_ranking_file_round_trip_and_errors(tmp_path):
-    with pytest.raises(CheckpointError, match=r"^draft_vocab: .*draft_vocab.json does not exist; write it with: compiled-mtp calibrate"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"^draft_vocab: .*draft_vocab.json does not exist; write it with: compiled-mtp calibrate",
+    ):
         read_ranking(tmp_path, 4)
     write_ranking(tmp_path, [2, 0, 3, 1], "test")
     assert read_ranking(tmp_path, 4) == [2, 0, 3, 1]

@@ -41,7 +41,14 @@ def noisy_echo(noisy_echo_path):
 
 def runtime(model, k=2, buckets=(1, 2, 4), **kw) -> Runtime:
     kw.setdefault("compile_backend", "eager")
-    return Runtime(model, mtp_depth=k, batch_sizes=buckets, max_seq_len=kw.pop("max_seq_len", 64), prefill_chunk=kw.pop("prefill_chunk", 8), **kw)
+    return Runtime(
+        model,
+        mtp_depth=k,
+        batch_sizes=buckets,
+        max_seq_len=kw.pop("max_seq_len", 64),
+        prefill_chunk=kw.pop("prefill_chunk", 8),
+        **kw,
+    )
 
 
 def prompts_for(vocab: int, lengths, seed=0) -> list[list[int]]:
@@ -62,13 +69,19 @@ def test_greedy_equals_reference_on_every_bucket(tiny, noisy_echo, k):
         rt = runtime(model, k)
         outs = rt.generate(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in max_new])
         assert [o.token_ids for o in outs] == reference(model, prompts, max_new)
-        assert {key.split("/")[1] for key in rt.stats()["graph_replays"] if "verify" in key} == {"B1", "B2", "B4"}
+        assert {key.split("/")[1] for key in rt.stats()["graph_replays"] if "verify" in key} == {
+            "B1",
+            "B2",
+            "B4",
+        }
 
 
 @settings(max_examples=8)
 @given(
     k=st.integers(0, 3),
-    schedule=st.lists(st.tuples(st.integers(1, 10), st.integers(1, 14), st.integers(0, 6)), min_size=1, max_size=6),
+    schedule=st.lists(
+        st.tuples(st.integers(1, 10), st.integers(1, 14), st.integers(0, 6)), min_size=1, max_size=6
+    ),
 )
 def test_greedy_parity_under_join_and_leave(noisy_echo, k, schedule):
     """Requests join between steps (more than there are slots: the rest queue) and leave when done."""
@@ -121,7 +134,9 @@ def _assert_stats_add_up(rt: Runtime, outputs: list, prefills: int) -> None:
 
 def _full_acceptance_run(echo, k, max_new, stop=()):
     rt = runtime(echo, k, buckets=(1,))
-    out = rt.generate([[5, 6, 7]], SamplingParams(max_new_tokens=max_new, stop_token_ids=stop, ignore_eos=True))[0]
+    out = rt.generate(
+        [[5, 6, 7]], SamplingParams(max_new_tokens=max_new, stop_token_ids=stop, ignore_eos=True)
+    )[0]
     return rt, out
 
 
@@ -156,18 +171,26 @@ def test_eos_stops_unless_ignored(echo):
     eos = plain.token_ids[4]
     rt = runtime(echo, 2)
     rt.eos_ids = frozenset({eos})
-    stopped, ignored = rt.generate([[5, 6, 7]] * 2, [SamplingParams(max_new_tokens=20), SamplingParams(max_new_tokens=20, ignore_eos=True)])
+    stopped, ignored = rt.generate(
+        [[5, 6, 7]] * 2,
+        [SamplingParams(max_new_tokens=20), SamplingParams(max_new_tokens=20, ignore_eos=True)],
+    )
     assert stopped.token_ids == plain.token_ids[:5] and stopped.finish_reason == "stop"
     assert ignored.token_ids == plain.token_ids
 
 
 @pytest.mark.parametrize("k", [0, 2, 3])
 def test_seeded_request_is_independent_of_its_batch(noisy_echo, k):
-    params = SamplingParams(max_new_tokens=16, temperature=0.9, top_k=40, top_p=0.95, seed=1234, ignore_eos=True)
+    params = SamplingParams(
+        max_new_tokens=16, temperature=0.9, top_k=40, top_p=0.95, seed=1234, ignore_eos=True
+    )
     prompt = [11, 22, 33, 44]
     alone = runtime(noisy_echo, k).generate([prompt], params)[0].token_ids
     rt = runtime(noisy_echo, k)
-    others = [SamplingParams(max_new_tokens=n, temperature=t, seed=s) for n, t, s in [(5, 1.0, 1), (20, 0.0, None), (9, 0.5, 7)]]
+    others = [
+        SamplingParams(max_new_tokens=n, temperature=t, seed=s)
+        for n, t, s in [(5, 1.0, 1), (20, 0.0, None), (9, 0.5, 7)]
+    ]
     rt.add_request([1, 2, 3], others[0])
     rt.step()
     rt.add_request([9] * 7, others[1])
@@ -206,13 +229,18 @@ def assert_padded_rows_write_only_scratch(model) -> None:
         for slot in range(state.num_slots):
             if slot == live.slot:
                 continue
-            assert torch.equal(buf.select(slot_axis, slot), before[name].select(slot_axis, slot)), (name, slot)
+            assert torch.equal(buf.select(slot_axis, slot), before[name].select(slot_axis, slot)), (
+                name,
+                slot,
+            )
     # The live slot's cache below what it had written is untouched too (only new positions change).
     for name in ("target_cache", "mtp_cache"):
-        assert torch.equal(getattr(state, name)[:, live.slot, : written - 1], before[name][:, live.slot, : written - 1])
+        assert torch.equal(
+            getattr(state, name)[:, live.slot, : written - 1], before[name][:, live.slot, : written - 1]
+        )
     assert rt.stats()["graph_replays"]["target_verify/B4/K3"] > 0
     full = reference(model, [prompts[3]], [30])[0]
-    assert full[-len(got):] == got
+    assert full[-len(got) :] == got
 
 
 def test_catch_up_in_a_cache_shorter_than_its_window(noisy_echo):
@@ -269,10 +297,16 @@ def test_abort_frees_the_slot_and_leaves_the_others_exact(noisy_echo):
     assert slot_of(late) == freed
     while rt.has_unfinished():
         step()
-    assert {i: got[i] for i in at_abort} == at_abort == {decoded: partial.token_ids, fresh: cut.token_ids} and queued not in got
+    assert {i: got[i] for i in at_abort} == at_abort == {
+        decoded: partial.token_ids,
+        fresh: cut.token_ids,
+    } and queued not in got
     expected = reference(noisy_echo, prompts, [12] * 5)
     assert got[keep] == expected[0] and got[late] == expected[4]
-    assert partial.token_ids == expected[1][: len(partial.token_ids)] and cut.token_ids == expected[3][: len(cut.token_ids)]
+    assert (
+        partial.token_ids == expected[1][: len(partial.token_ids)]
+        and cut.token_ids == expected[3][: len(cut.token_ids)]
+    )
     assert sorted(o.request_id for o in finished) == [keep, late]
     assert rt.abort(keep) is None and all(o.finish_reason == "length" for o in finished)  # finished: a no-op
     _assert_stats_add_up(rt, finished + [partial, cut], prefills=4)
@@ -297,18 +331,46 @@ BAD_INPUT = [
     ([], SamplingParams(), r"^prompt: must not be empty$"),
     ([1, 97], SamplingParams(), r"^prompt\[1\]: token id 97 outside \[0, 97\)$"),
     ([1, -1], SamplingParams(), r"^prompt\[1\]: token id -1 outside \[0, 97\)$"),
-    ([1] * 125, SamplingParams(max_new_tokens=5), r"^max_new_tokens: prompt length 125 \+ max_new_tokens 5 exceeds max_seq_len 128$"),
+    (
+        [1] * 125,
+        SamplingParams(max_new_tokens=5),
+        r"^max_new_tokens: prompt length 125 \+ max_new_tokens 5 exceeds max_seq_len 128$",
+    ),
     ([1], SamplingParams(max_new_tokens=0), r"^max_new_tokens: must be >= 1, got 0$"),
-    ([1], SamplingParams(temperature=-0.5), r"^temperature: must be finite and >= 0 \(0 = greedy\), got -0.5$"),
-    ([1], SamplingParams(temperature=float("inf")), r"^temperature: must be finite and >= 0 \(0 = greedy\), got inf$"),
-    ([1], SamplingParams(temperature=float("nan")), r"^temperature: must be finite and >= 0 \(0 = greedy\), got nan$"),
-    ([1], SamplingParams(temperature=1.0, seed=2**70), r"^seed: must be in \[0, 2\*\*63 - 1\] or None, got 1180591620717411303424$"),
+    (
+        [1],
+        SamplingParams(temperature=-0.5),
+        r"^temperature: must be finite and >= 0 \(0 = greedy\), got -0.5$",
+    ),
+    (
+        [1],
+        SamplingParams(temperature=float("inf")),
+        r"^temperature: must be finite and >= 0 \(0 = greedy\), got inf$",
+    ),
+    (
+        [1],
+        SamplingParams(temperature=float("nan")),
+        r"^temperature: must be finite and >= 0 \(0 = greedy\), got nan$",
+    ),
+    (
+        [1],
+        SamplingParams(temperature=1.0, seed=2**70),
+        r"^seed: must be in \[0, 2\*\*63 - 1\] or None, got 1180591620717411303424$",
+    ),
     ([1], SamplingParams(temperature=1.0, seed=-1), r"^seed: must be in \[0, 2\*\*63 - 1\] or None, got -1$"),
     ([1], SamplingParams(seed=1.5), r"^seed: must be an integer, got float 1.5$"),
     ([1, 2.0], SamplingParams(), r"^prompt\[1\]: token id must be an integer, got float 2.0$"),
     ([1, True], SamplingParams(), r"^prompt\[1\]: token id must be an integer, got bool True$"),
-    ([1, np.float32(3)], SamplingParams(), r"^prompt\[1\]: token id must be an integer, got float32 np.float32\(3.0\)$"),
-    ([1], SamplingParams(stop_token_ids=(torch.tensor(0.5),)), r"^stop_token_ids\[0\]: token id must be an integer, got Tensor tensor\(0.5000\)$"),
+    (
+        [1, np.float32(3)],
+        SamplingParams(),
+        r"^prompt\[1\]: token id must be an integer, got float32 np.float32\(3.0\)$",
+    ),
+    (
+        [1],
+        SamplingParams(stop_token_ids=(torch.tensor(0.5),)),
+        r"^stop_token_ids\[0\]: token id must be an integer, got Tensor tensor\(0.5000\)$",
+    ),
     ([1], SamplingParams(top_p=0.0), r"^top_p: must be in \(0, 1\], got 0.0$"),
     ([1], SamplingParams(top_p=1.5), r"^top_p: must be in \(0, 1\], got 1.5$"),
     ([1], SamplingParams(top_k=-1), r"^top_k: must be >= 0 \(0 = no limit\), got -1$"),
@@ -342,17 +404,27 @@ def test_integer_like_token_ids_are_plain_ids(noisy_echo):
     """NumPy and torch integers (and arrays of them) mean what the same ints mean, stop ids included."""
     prompt = prompts_for(97, [6], seed=5)[0]
     stop = reference(noisy_echo, [prompt], [12])[0][4]
-    plain = runtime(noisy_echo, 2).generate([prompt], SamplingParams(max_new_tokens=12, stop_token_ids=(stop,)))[0]
+    plain = runtime(noisy_echo, 2).generate(
+        [prompt], SamplingParams(max_new_tokens=12, stop_token_ids=(stop,))
+    )[0]
     assert plain.finish_reason == "stop"
-    for ids, stops in [(np.array(prompt), (np.int64(stop),)), (torch.tensor(prompt), (torch.tensor(stop),)), ([np.int32(t) for t in prompt], (np.uint8(stop),))]:
-        out = runtime(noisy_echo, 2).generate([ids], SamplingParams(max_new_tokens=12, stop_token_ids=stops))[0]
+    for ids, stops in [
+        (np.array(prompt), (np.int64(stop),)),
+        (torch.tensor(prompt), (torch.tensor(stop),)),
+        ([np.int32(t) for t in prompt], (np.uint8(stop),)),
+    ]:
+        out = runtime(noisy_echo, 2).generate([ids], SamplingParams(max_new_tokens=12, stop_token_ids=stops))[
+            0
+        ]
         assert out.token_ids == plain.token_ids and out.finish_reason == "stop"
         assert out.prompt_token_ids == prompt and all(type(t) is int for t in out.prompt_token_ids)
 
 
 def test_bad_depth_and_options(noisy_echo):
     rt = runtime(noisy_echo, 2, mtp_depths=(0, 2))
-    with pytest.raises(ValueError, match=r"^mtp_depth: 3 is not one of the captured depths \[0, 2\] \(or 'auto'\)$"):
+    with pytest.raises(
+        ValueError, match=r"^mtp_depth: 3 is not one of the captured depths \[0, 2\] \(or 'auto'\)$"
+    ):
         rt.mtp_depth = 3
     with pytest.raises(ValueError, match=r"^mtp_depth: must be >= 0, got -1$"):
         runtime(noisy_echo, -1)
@@ -406,7 +478,9 @@ def test_draft_state_stays_current_through_depth_zero(model_name, request):
     assert switched[0] == never_left[0]  # greedy
     after = {key: a for key, a in switched[1].items() if key[1] > len(prompts[key[0]]) + 22}
     common = after.keys() & never_left[1].keys()
-    assert len(common) >= 5 and {key: after[key] for key in common} == {key: never_left[1][key] for key in common}
+    assert len(common) >= 5 and {key: after[key] for key in common} == {
+        key: never_left[1][key] for key in common
+    }
     for i in joins:
         torch.testing.assert_close(switched[2][i], never_left[2][i], atol=1e-5, rtol=1e-5)
     assert switched[3].stats()["graph_replays"]["mtp_catch_up/B2/K0"] >= 1
@@ -445,5 +519,10 @@ def test_restricted_draft_vocabulary_keeps_greedy_output_and_drafts_inside_it(no
     assert drafted and drafted <= set(subset.tolist())
     full_vocab_model = load_model(noisy_echo_path)
     if n == 97:  # every token, in another order: the same drafts as the full head
-        full = runtime(full_vocab_model, 3).generate(prompts, SamplingParams(max_new_tokens=20, ignore_eos=True))
-        assert [o.num_accepted_tokens for o in full] == [o.num_accepted_tokens for o in runtime(model, 3).generate(prompts, SamplingParams(max_new_tokens=20, ignore_eos=True))]
+        full = runtime(full_vocab_model, 3).generate(
+            prompts, SamplingParams(max_new_tokens=20, ignore_eos=True)
+        )
+        assert [o.num_accepted_tokens for o in full] == [
+            o.num_accepted_tokens
+            for o in runtime(model, 3).generate(prompts, SamplingParams(max_new_tokens=20, ignore_eos=True))
+        ]

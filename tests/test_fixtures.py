@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from hypothesis import example, given
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from transformers import DeepseekV3ForCausalLM
 from transformers.generation.candidate_generator import MTPCandidateGenerator
 from transformers.modeling_layers import MtpModel
@@ -26,7 +26,15 @@ from tests.checkpoints import (
     write_checkpoint,
     write_echo_checkpoint,
 )
-from tests.corruption import add_key, copy_checkpoint, delete_key, file_of, reshape_key, truncate_file, write_garbage
+from tests.corruption import (
+    add_key,
+    copy_checkpoint,
+    delete_key,
+    file_of,
+    reshape_key,
+    truncate_file,
+    write_garbage,
+)
 from tests.oracle import hf_greedy, hf_logits, hf_mtp_draft_logits
 from tests.strategies import FULL_FEATURED_CONFIGS, config_strategy
 
@@ -46,15 +54,30 @@ def _file_keys(path: Path) -> dict[str, str]:
 
 def _expected_mtp_keys(config, layer: int) -> set[str]:
     p = f"model.layers.{layer}."
-    keys = {p + k for k in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
-                            "shared_head.head.weight", "embed_tokens.weight", "input_layernorm.weight",
-                            "post_attention_layernorm.weight", "mlp.gate.weight", "mlp.gate.e_score_correction_bias")}
+    keys = {
+        p + k
+        for k in (
+            "enorm.weight",
+            "hnorm.weight",
+            "eh_proj.weight",
+            "shared_head.norm.weight",
+            "shared_head.head.weight",
+            "embed_tokens.weight",
+            "input_layernorm.weight",
+            "post_attention_layernorm.weight",
+            "mlp.gate.weight",
+            "mlp.gate.e_score_correction_bias",
+        )
+    }
     attn = ["kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"]
     attn += ["q_proj"] if config.q_lora_rank is None else ["q_a_proj", "q_a_layernorm", "q_b_proj"]
     keys |= {f"{p}self_attn.{n}.weight" for n in attn}
     keys |= {f"{p}mlp.shared_experts.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")}
-    keys |= {f"{p}mlp.experts.{e}.{n}.weight" for e in range(config.n_routed_experts)
-             for n in ("gate_proj", "up_proj", "down_proj")}
+    keys |= {
+        f"{p}mlp.experts.{e}.{n}.weight"
+        for e in range(config.n_routed_experts)
+        for n in ("gate_proj", "up_proj", "down_proj")
+    }
     return keys
 
 
@@ -80,7 +103,9 @@ def test_checkpoint_layout(tiny_checkpoint: Path) -> None:
         if key.endswith("e_score_correction_bias"):
             assert value.abs().min() > 0 and value.std() > 0.03, key
     # the MTP block differs from the target's MoE layer (it is its own random layer)
-    assert not torch.equal(sd[f"model.layers.{L}.mlp.gate.weight"], sd[f"model.layers.{L - 1}.mlp.gate.weight"])
+    assert not torch.equal(
+        sd[f"model.layers.{L}.mlp.gate.weight"], sd[f"model.layers.{L - 1}.mlp.gate.weight"]
+    )
 
 
 def test_hf_loads_target_and_mtp(tiny_checkpoint: Path, tiny_hf: DeepseekV3ForCausalLM) -> None:
@@ -88,8 +113,15 @@ def test_hf_loads_target_and_mtp(tiny_checkpoint: Path, tiny_hf: DeepseekV3ForCa
     L = tiny_hf.config.num_hidden_layers
     assert DeepseekV3ForCausalLM._keys_to_ignore_on_load_unexpected == [r"model\.layers\.61.*"]  # restored
     experts = tiny_hf.model.layers[1].mlp.experts
-    assert torch.equal(experts.gate_up_proj[3], torch.cat([sd["model.layers.1.mlp.experts.3.gate_proj.weight"],
-                                                           sd["model.layers.1.mlp.experts.3.up_proj.weight"]]))
+    assert torch.equal(
+        experts.gate_up_proj[3],
+        torch.cat(
+            [
+                sd["model.layers.1.mlp.experts.3.gate_proj.weight"],
+                sd["model.layers.1.mlp.experts.3.up_proj.weight"],
+            ]
+        ),
+    )
     assert torch.equal(tiny_hf.lm_head.weight, sd["lm_head.weight"])
     mtp = MtpModel.from_pretrained(tiny_hf)
     layer, p = mtp.layers[0], f"model.layers.{L}."
@@ -97,10 +129,14 @@ def test_hf_loads_target_and_mtp(tiny_checkpoint: Path, tiny_hf: DeepseekV3ForCa
     assert torch.equal(layer.hnorm.weight, sd[p + "hnorm.weight"])
     assert torch.equal(layer.eh_proj.weight, sd[p + "eh_proj.weight"])
     assert torch.equal(layer.post_norm.weight, sd[p + "shared_head.norm.weight"])
-    assert torch.equal(layer.mtp_block.mlp.gate.e_score_correction_bias, sd[p + "mlp.gate.e_score_correction_bias"])
+    assert torch.equal(
+        layer.mtp_block.mlp.gate.e_score_correction_bias, sd[p + "mlp.gate.e_score_correction_bias"]
+    )
     assert torch.equal(layer.mtp_block.mlp.experts.down_proj[5], sd[p + "mlp.experts.5.down_proj.weight"])
-    assert torch.equal(layer.mtp_block.mlp.experts.gate_up_proj[5][: tiny_hf.config.moe_intermediate_size],
-                       sd[p + "mlp.experts.5.gate_proj.weight"])
+    assert torch.equal(
+        layer.mtp_block.mlp.experts.gate_up_proj[5][: tiny_hf.config.moe_intermediate_size],
+        sd[p + "mlp.experts.5.gate_proj.weight"],
+    )
     assert torch.equal(layer.mtp_block.self_attn.kv_b_proj.weight, sd[p + "self_attn.kv_b_proj.weight"])
 
 
@@ -134,13 +170,14 @@ def test_hf_greedy_is_argmax_and_ignores_eos(tiny_checkpoint: Path) -> None:
     seq = list(prompt)
     for _ in range(12):
         seq.append(int(hf_logits(model, seq)[-1].argmax()))
-    assert hf_greedy(model, prompt, 12) == seq[len(prompt):]
+    assert hf_greedy(model, prompt, 12) == seq[len(prompt) :]
     model.generation_config.eos_token_id = seq[len(prompt) + 2]  # an eos that greedy emits early
-    assert hf_greedy(model, prompt, 12) == seq[len(prompt):]
+    assert hf_greedy(model, prompt, 12) == seq[len(prompt) :]
 
 
-def test_mtp_draft_logits_shape_causality_and_concat_order(tiny_checkpoint: Path,
-                                                             tiny_hf: DeepseekV3ForCausalLM) -> None:
+def test_mtp_draft_logits_shape_causality_and_concat_order(
+    tiny_checkpoint: Path, tiny_hf: DeepseekV3ForCausalLM
+) -> None:
     tokens = _tokens(12, 97, 2)
     draft = hf_mtp_draft_logits(tiny_hf, tokens)
     assert draft.shape == (11, 97) and torch.isfinite(draft).all()
@@ -158,10 +195,14 @@ def test_mtp_draft_logits_shape_causality_and_concat_order(tiny_checkpoint: Path
     with torch.no_grad():
         h0 = tiny_hf(torch.tensor([tokens[:1]]), output_hidden_states=True).hidden_states[-1][0, 0]
         e1 = sd[p + "embed_tokens.weight"][tokens[1]]
-        x = sd[p + "eh_proj.weight"] @ torch.cat([rms(e1, sd[p + "enorm.weight"]), rms(h0, sd[p + "hnorm.weight"])])
+        x = sd[p + "eh_proj.weight"] @ torch.cat(
+            [rms(e1, sd[p + "enorm.weight"]), rms(h0, sd[p + "hnorm.weight"])]
+        )
         block = MtpModel.from_pretrained(tiny_hf).layers[0].mtp_block
         pos = torch.tensor([[1]])
-        y = block(x[None, None], position_embeddings=tiny_hf.model.rotary_emb(x[None, None], pos), position_ids=pos)
+        y = block(
+            x[None, None], position_embeddings=tiny_hf.model.rotary_emb(x[None, None], pos), position_ids=pos
+        )
         logits = sd[p + "shared_head.head.weight"] @ rms(y[0, 0], sd[p + "shared_head.norm.weight"])
     torch.testing.assert_close(logits, draft[0], rtol=1e-4, atol=1e-4)
 
@@ -205,7 +246,9 @@ def test_two_mtp_layers(tmp_path: Path) -> None:
     config = tiny_config()
     keys = _file_keys(path)
     for i in (0, 1):
-        assert {k for k in keys if k.startswith(f"model.layers.{2 + i}.")} == _expected_mtp_keys(config, 2 + i)
+        assert {k for k in keys if k.startswith(f"model.layers.{2 + i}.")} == _expected_mtp_keys(
+            config, 2 + i
+        )
     model = load_hf(path)
     prompt = _tokens(5, 97, 5)
     tokens, accepted = hf_mtp_generate(model, prompt, 9)
@@ -253,29 +296,44 @@ def test_echo_successor_map_is_one_cycle(echo_hf: DeepseekV3ForCausalLM) -> None
 
 def test_echo_noise_and_attention_lower_agreement(tmp_path: Path) -> None:
     tokens = _tokens(80, 97, 7)
-    for name, kwargs, low, high in (("noise", {"mtp_noise": 0.5}, 0.4, 0.85), ("attn", {"attn_scale": 2.0}, 0.8, 0.99)):
+    for name, kwargs, low, high in (
+        ("noise", {"mtp_noise": 0.5}, 0.4, 0.85),
+        ("attn", {"attn_scale": 2.0}, 0.8, 0.99),
+    ):
         model = load_hf(write_echo_checkpoint(tmp_path / name, **kwargs))
         draft = hf_mtp_draft_logits(model, tokens).argmax(-1)
         agree = (draft == hf_logits(model, tokens)[1:].argmax(-1)).float().mean()
         assert low < agree < high, (name, agree)
 
 
-# ----------------------------------------------------------------------------- checkpoints: storage variants; strategies
+# ---------------------------------------------------------------- checkpoints: storage variants; strategies
 
 
 def test_fp8_block_quantization(tmp_path: Path) -> None:
     config = tiny_config(intermediate_size=272, moe_intermediate_size=136)  # several and partial blocks
     ref = read_state_dict(write_checkpoint(tmp_path / "f32", config, seed=4))
     path = write_checkpoint(tmp_path / "fp8", config, seed=4, fp8=True)
-    assert json.loads((path / "config.json").read_text())["quantization_config"]["weight_block_size"] == [128, 128]
+    assert json.loads((path / "config.json").read_text())["quantization_config"]["weight_block_size"] == [
+        128,
+        128,
+    ]
     with safe_open(path / "model.safetensors", "pt") as f:
         raw = {k: f.get_tensor(k) for k in f.keys()}
     quantized = [k for k in raw if raw[k].dtype == torch.float8_e4m3fn]
-    assert "model.layers.0.mlp.down_proj.weight" in quantized and "model.layers.2.self_attn.o_proj.weight" in quantized
+    assert (
+        "model.layers.0.mlp.down_proj.weight" in quantized
+        and "model.layers.2.self_attn.o_proj.weight" in quantized
+    )
     assert "model.layers.2.mlp.experts.7.up_proj.weight" in quantized
-    for key in ("lm_head.weight", "model.embed_tokens.weight", "model.layers.2.eh_proj.weight",
-                "model.layers.2.shared_head.head.weight", "model.layers.1.mlp.gate.weight",
-                "model.layers.1.input_layernorm.weight", "model.layers.1.self_attn.kv_a_layernorm.weight"):
+    for key in (
+        "lm_head.weight",
+        "model.embed_tokens.weight",
+        "model.layers.2.eh_proj.weight",
+        "model.layers.2.shared_head.head.weight",
+        "model.layers.1.mlp.gate.weight",
+        "model.layers.1.input_layernorm.weight",
+        "model.layers.1.self_attn.kv_a_layernorm.weight",
+    ):
         assert raw[key].dtype == torch.float32, key
     assert raw["model.layers.0.mlp.down_proj.weight_scale_inv"].shape == (1, 3)
     assert raw["model.layers.2.mlp.experts.0.gate_proj.weight_scale_inv"].shape == (2, 1)
@@ -322,8 +380,18 @@ def test_strategy_configs_write_and_load(config) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = write_checkpoint(tmp, config, seed=1)
         model = load_hf(path)
-        for field in ("rope_parameters", "rope_interleave", "n_group", "topk_group", "num_experts_per_tok",
-                      "first_k_dense_replace", "q_lora_rank", "norm_topk_prob", "routed_scaling_factor", "vocab_size"):
+        for field in (
+            "rope_parameters",
+            "rope_interleave",
+            "n_group",
+            "topk_group",
+            "num_experts_per_tok",
+            "first_k_dense_replace",
+            "q_lora_rank",
+            "norm_topk_prob",
+            "routed_scaling_factor",
+            "vocab_size",
+        ):
             assert getattr(model.config, field) == getattr(config, field), field
         tokens = _tokens(7, config.vocab_size, 9)
         assert torch.isfinite(hf_logits(model, tokens)).all()
@@ -339,7 +407,9 @@ def test_bad_checkpoint_helpers(tmp_path: Path) -> None:
 
     bad = copy_checkpoint(good, tmp_path / "deleted")
     delete_key(bad, "model.layers.2.hnorm.weight")
-    assert "model.layers.2.hnorm.weight" not in _file_keys(bad) and "model.layers.2.hnorm.weight" not in index(bad)
+    assert "model.layers.2.hnorm.weight" not in _file_keys(
+        bad
+    ) and "model.layers.2.hnorm.weight" not in index(bad)
     assert len(_file_keys(bad)) == len(_file_keys(good)) - 1
 
     bad = copy_checkpoint(good, tmp_path / "added")
@@ -355,15 +425,21 @@ def test_bad_checkpoint_helpers(tmp_path: Path) -> None:
         bad = copy_checkpoint(good, tmp_path / name)
         file = file_of(bad, "lm_head.weight")
         breaker(file)
-        with pytest.raises(Exception):
-            with safe_open(file, "pt") as f:
-                f.get_tensor("lm_head.weight")
+        with pytest.raises(SafetensorError), safe_open(file, "pt") as f:
+            f.get_tensor("lm_head.weight")
 
     bad = copy_checkpoint(good, tmp_path / "config")
-    set_config_fields(bad, remove=("rope_interleave",), num_nextn_predict_layers=0, model_type="llama",
-                      architectures=["LlamaForCausalLM"])
+    set_config_fields(
+        bad,
+        remove=("rope_interleave",),
+        num_nextn_predict_layers=0,
+        model_type="llama",
+        architectures=["LlamaForCausalLM"],
+    )
     cfg = json.loads((bad / "config.json").read_text())
-    assert cfg["num_nextn_predict_layers"] == 0 and cfg["model_type"] == "llama" and "rope_interleave" not in cfg
+    assert (
+        cfg["num_nextn_predict_layers"] == 0 and cfg["model_type"] == "llama" and "rope_interleave" not in cfg
+    )
     # the source is untouched
     assert index(good) == _file_keys(good) and "model.layers.2.hnorm.weight" in index(good)
     assert json.loads((good / "config.json").read_text())["model_type"] == "deepseek_v3"

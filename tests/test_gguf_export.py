@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from compiled_mtp import Runtime, SamplingParams
-from compiled_mtp.cli import main
 from compiled_mtp.capture.profile import DEFAULT_MODEL
+from compiled_mtp.cli import main
 from compiled_mtp.models.checkpoint import load_model
 from compiled_mtp.models.gguf_export import export_gguf
 from tests.checkpoints import tiny_config, write_checkpoint
@@ -104,7 +104,14 @@ def test_llama_cpp_greedy_tokens_equal_the_engine(fp8_checkpoint, tmp_path):
     from compiled_mtp.llama_cpp_peer import LlamaCpp
 
     peer = LlamaCpp(export_gguf(fp8_checkpoint, tmp_path / "m.gguf"), context=64, threads=1)
-    rt = Runtime(load_model(fp8_checkpoint, with_mtp=False), mtp_depth=0, batch_sizes=(1,), max_seq_len=64, compile_backend="eager", prefill_chunk=8)
+    rt = Runtime(
+        load_model(fp8_checkpoint, with_mtp=False),
+        mtp_depth=0,
+        batch_sizes=(1,),
+        max_seq_len=64,
+        compile_backend="eager",
+        prefill_chunk=8,
+    )
     gen = torch.Generator().manual_seed(3)
     for n in (1, 5, 12):
         prompt = torch.randint(97, (n,), generator=gen).tolist()

@@ -18,6 +18,7 @@ from transformers import Glm4MoeConfig as HFGlm4MoeConfig
 from compiled_mtp import Runtime, SamplingParams
 from compiled_mtp.cli import main
 from compiled_mtp.graphs.state import StaticState
+from compiled_mtp.hf_baseline import hf_mtp_generate, load_hf
 from compiled_mtp.models.checkpoint import load_model
 from compiled_mtp.models.config import CheckpointError
 from compiled_mtp.models.registry import family_of
@@ -25,21 +26,24 @@ from compiled_mtp.reference import reference_generate
 from tests import checkpoints, corruption
 from tests import test_distribution as distribution
 from tests import test_passes as passes
-from compiled_mtp.hf_baseline import hf_mtp_generate, load_hf
-from tests.oracle import hf_greedy, hf_logits, hf_mtp_draft_logits
 from tests.glm_factory import (
     glm_config,
     glm_config_strategy,
     write_glm_checkpoint,
     write_glm_distilled_checkpoint,
 )
+from tests.oracle import hf_greedy, hf_logits, hf_mtp_draft_logits
 from tests.test_engine import assert_padded_rows_write_only_scratch
 from tests.test_models import ATOL, RTOL, engine_logits, engine_mtp_logits
 
 NEW_TOKENS = 12
 # Full rotary, no bias, no qk-norm, one KV head for four query heads, every layer MoE.
 PLAIN = glm_config(
-    num_attention_heads=4, num_key_value_heads=1, attention_bias=False, use_qk_norm=False, first_k_dense_replace=0,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    attention_bias=False,
+    use_qk_norm=False,
+    first_k_dense_replace=0,
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0},
 )
 
@@ -74,7 +78,9 @@ def test_target_and_mtp_logits_match_hf(config):
         expected = hf_logits(hf, tokens)
         torch.testing.assert_close(engine_logits(ours, tokens), expected, atol=ATOL, rtol=RTOL)
         torch.testing.assert_close(engine_logits(ours, tokens, chunk=3), expected, atol=ATOL, rtol=RTOL)
-        torch.testing.assert_close(engine_mtp_logits(ours, tokens), hf_mtp_draft_logits(hf, tokens), atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(
+            engine_mtp_logits(ours, tokens), hf_mtp_draft_logits(hf, tokens), atol=ATOL, rtol=RTOL
+        )
 
 
 @settings(max_examples=3)
@@ -87,7 +93,9 @@ def test_reference_greedy_equals_hf_generate_for_every_depth(config, lengths):
         prompts = _prompts(config.vocab_size, lengths, seed=len(lengths))
         expected = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
         for k in range(5):
-            assert [o.token_ids for o in reference_generate(ours, prompts, NEW_TOKENS, k)] == expected, f"K={k}"
+            assert [o.token_ids for o in reference_generate(ours, prompts, NEW_TOKENS, k)] == expected, (
+                f"K={k}"
+            )
 
 
 @pytest.mark.parametrize("k", range(5))
@@ -96,7 +104,15 @@ def test_runtime_greedy_equals_hf_generate_on_buckets_1_2_4(glm_path, k):
     finish at different steps, so the batch moves through buckets 4, 2 and 1."""
     hf = load_hf(glm_path)
     prompts, max_new = _prompts(97, [5, 1, 12, 9], seed=k), [3, 7, 12, 16]
-    rt = Runtime.from_pretrained(glm_path, mtp_depth=k, batch_sizes=(1, 2, 4), max_seq_len=64, compile_backend="eager", cache_dir=None, prefill_chunk=8)
+    rt = Runtime.from_pretrained(
+        glm_path,
+        mtp_depth=k,
+        batch_sizes=(1, 2, 4),
+        max_seq_len=64,
+        compile_backend="eager",
+        cache_dir=None,
+        prefill_chunk=8,
+    )
     outs = rt.generate(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in max_new])
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, n) for p, n in zip(prompts, max_new)]
     assert {key.split("/")[1] for key in rt.stats()["graph_replays"] if "verify" in key} == {"B1", "B2", "B4"}
@@ -106,7 +122,14 @@ def test_k1_accepted_counts_equal_hf_mtp(glm_distilled_path):
     """HF drafts one token per MTP layer, so its generate(use_mtp=True) is our K = 1: same tokens,
     same drafts accepted at every step, in the reference loop and in the Runtime."""
     hf = load_hf(glm_distilled_path)
-    rt = Runtime.from_pretrained(glm_distilled_path, mtp_depth=1, batch_sizes=(1,), max_seq_len=64, compile_backend="eager", cache_dir=None)
+    rt = Runtime.from_pretrained(
+        glm_distilled_path,
+        mtp_depth=1,
+        batch_sizes=(1,),
+        max_seq_len=64,
+        compile_backend="eager",
+        cache_dir=None,
+    )
     ours = load_model(glm_distilled_path)
     steps = 0
     for prompt in _prompts(97, [3, 8, 5], seed=4):
@@ -124,7 +147,9 @@ def test_k1_accepted_counts_equal_hf_mtp(glm_distilled_path):
 def test_fp8_and_sharded_checkpoints_load_like_the_dequantized_one(tmp_path):
     """A sharded checkpoint with FP8 block-scaled q/k/v/o and expert weights (128x128 blocks over
     160-wide weights: a partial block) loads as its dequantized single-file copy, which HF agrees with."""
-    path = write_glm_checkpoint(tmp_path / "fp8", glm_config(hidden_size=160, head_dim=40), seed=2, fp8=True, max_shard_size="200KB")
+    path = write_glm_checkpoint(
+        tmp_path / "fp8", glm_config(hidden_size=160, head_dim=40), seed=2, fp8=True, max_shard_size="200KB"
+    )
     assert len(list(path.glob("*.safetensors"))) > 1
     plain = load_model(checkpoints.dequantize_checkpoint(path, tmp_path / "fp32"))
     model = load_model(path)
@@ -133,7 +158,9 @@ def test_fp8_and_sharded_checkpoints_load_like_the_dequantized_one(tmp_path):
     for (name, a), (_, b) in zip(model.state_dict().items(), plain.state_dict().items()):
         assert torch.equal(a, b), name
     tokens = _prompts(97, [8], seed=1)[0]
-    torch.testing.assert_close(engine_logits(model, tokens), hf_logits(load_hf(tmp_path / "fp32"), tokens), atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(
+        engine_logits(model, tokens), hf_logits(load_hf(tmp_path / "fp32"), tokens), atol=ATOL, rtol=RTOL
+    )
 
 
 def test_save_pretrained_output_serves_without_mtp(tmp_path):
@@ -144,14 +171,26 @@ def test_save_pretrained_output_serves_without_mtp(tmp_path):
     with pytest.raises(CheckpointError, match=r"no MTP layer keys \(model\.layers\.2\.\*\).*mtp_depth 0"):
         load_model(tmp_path / "saved")
     prompt = _prompts(97, [6], seed=2)[0]
-    rt = Runtime.from_pretrained(tmp_path / "saved", mtp_depth=0, batch_sizes=(1,), max_seq_len=32, compile_backend="eager", cache_dir=None)
-    assert rt.generate([prompt], SamplingParams(max_new_tokens=8, ignore_eos=True))[0].token_ids == hf_greedy(hf, prompt, 8)
+    rt = Runtime.from_pretrained(
+        tmp_path / "saved",
+        mtp_depth=0,
+        batch_sizes=(1,),
+        max_seq_len=32,
+        compile_backend="eager",
+        cache_dir=None,
+    )
+    assert rt.generate([prompt], SamplingParams(max_new_tokens=8, ignore_eos=True))[0].token_ids == hf_greedy(
+        hf, prompt, 8
+    )
 
 
 def test_unknown_model_type_lists_the_supported_ones(glm_path, tmp_path):
     path = corruption.copy_checkpoint(glm_path, tmp_path / "llama")
     checkpoints.set_config_fields(path, model_type="llama")
-    with pytest.raises(CheckpointError, match=r"^\S*config\.json: model_type 'llama' is not supported \(supported: deepseek_v3, glm4_moe\)$"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"^\S*config\.json: model_type 'llama' is not supported \(supported: deepseek_v3, glm4_moe\)$",
+    ):
         load_model(path)
 
 
@@ -176,7 +215,10 @@ def glm_markov(tmp_path_factory):
 def test_sampled_tokens_follow_the_target_chain(glm_markov):
     """test_distribution.py's chi-square and convergence checks (false-failure rate 1e-6) on the GLM
     chain at K = 2 (one depth: the sampling itself is family-blind, test_distribution covers the rest)."""
-    target, draft = distribution._chain(glm_markov, target=True), distribution._chain(glm_markov, target=False)
+    target, draft = (
+        distribution._chain(glm_markov, target=True),
+        distribution._chain(glm_markov, target=False),
+    )
     pairs, depths = distribution._transitions(glm_markov, 2, seed=402)
     assert list(depths) == [2]
     distribution._assert_follows(pairs, target, draft, "GLM K=2")
@@ -194,7 +236,9 @@ def test_inductor_graphs_through_the_capture_cache_equal_hf(glm_distilled_path, 
     prompts = _prompts(97, [5, 3], seed=8)
     hf = load_hf(glm_distilled_path)
     expected = [hf_greedy(hf, p, 6) for p in prompts]
-    options = dict(mtp_depth=1, batch_sizes=(2,), max_seq_len=32, prefill_chunk=8, cache_dir=tmp_path / "cache")
+    options = dict(
+        mtp_depth=1, batch_sizes=(2,), max_seq_len=32, prefill_chunk=8, cache_dir=tmp_path / "cache"
+    )
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     with caplog.at_level(logging.INFO, logger="compiled_mtp.passes"):
         built = Runtime.from_pretrained(glm_distilled_path, **options)
@@ -214,7 +258,9 @@ def test_group_experts_takes_the_moe_layer_and_live_attention_nothing(glm_path):
     model = load_model(glm_path)
     state = StaticState(model, num_slots=5, max_seq_len=32, max_depth=3)
     before, after = passes._graphs("target_verify", 2, 1, model, state, ("live_attention", "group_experts"))
-    assert passes._count(before, passes.ROUTED_EXPERTS) == 0 and passes._count(after, passes.ROUTED_EXPERTS) == 1
+    assert (
+        passes._count(before, passes.ROUTED_EXPERTS) == 0 and passes._count(after, passes.ROUTED_EXPERTS) == 1
+    )
     assert passes._count(after, passes.LIVE_ATTENTION) == 0
     passes._assert_same(before, after, state, model, "target_verify", 2, 1, exact=False)
 
@@ -229,7 +275,10 @@ def test_random_glm_checkpoint_then_bench_against_hf(tmp_path, capsys):
         "bench", "--model", str(ckpt), "--backend", "eager", "--new-tokens", "4", "--runs", "1", "--prompt-len", "8",
         "--accept-prompts", "2", "--copy-mb", "16", "--out", str(out), "--depths", "0", "1", "--batch-sizes", "1",
     ])  # fmt: skip
-    assert "no llama.cpp row: the GGUF export writes DeepSeek-V3 checkpoints only, this is glm4_moe" in capsys.readouterr().out
+    assert (
+        "no llama.cpp row: the GGUF export writes DeepSeek-V3 checkpoints only, this is glm4_moe"
+        in capsys.readouterr().out
+    )
     data = json.loads((out / "bench-cpu.json").read_text())
     assert {(e["k"], e["batch"]) for e in data["engine"]} == {(0, 1), (1, 1), ("auto", 1)}
     assert {(h["system"], h["batch"]) for h in data["hf"]} == {("generate", 1), ("generate(use_mtp=True)", 1)}
@@ -243,8 +292,19 @@ def test_every_kind_traces_whole_and_matches_hf(glm_path):
     prompts = _prompts(97, [4, 7], seed=9)
     max_new = [6, 12]  # the first finishes early: the second runs on in bucket 1
     expected = [hf_greedy(hf, p, n) for p, n in zip(prompts, max_new)]
-    rt = Runtime.from_pretrained(glm_path, mtp_depth=0, mtp_depths=(0, 3), batch_sizes=(1, 2), max_seq_len=32, compile_backend="aot_eager", cache_dir=None, prefill_chunk=8)
-    ids = [rt.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(prompts, max_new)]
+    rt = Runtime.from_pretrained(
+        glm_path,
+        mtp_depth=0,
+        mtp_depths=(0, 3),
+        batch_sizes=(1, 2),
+        max_seq_len=32,
+        compile_backend="aot_eager",
+        cache_dir=None,
+        prefill_chunk=8,
+    )
+    ids = [
+        rt.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(prompts, max_new)
+    ]
     got: dict[int, list[int]] = {i: [] for i in ids}
     schedule = iter((0, 0, 3, 0, 3))
     while rt.has_unfinished():
@@ -252,7 +312,13 @@ def test_every_kind_traces_whole_and_matches_hf(glm_path):
         for out in rt.step():
             got[out.request_id] += out.new_token_ids
     assert [got[i] for i in ids] == expected
-    assert {key.kind.name for key in rt.graphs.replays} == {"prefill", "draft_decode", "target_verify", "draft_extend", "mtp_catch_up"}
+    assert {key.kind.name for key in rt.graphs.replays} == {
+        "prefill",
+        "draft_decode",
+        "target_verify",
+        "draft_extend",
+        "mtp_catch_up",
+    }
     assert {key.batch for key in rt.graphs.replays if key.kind.name == "target_verify"} == {1, 2}
     assert rt.stats()["recompiles"] == 0
 
@@ -262,9 +328,10 @@ def test_every_kind_traces_whole_and_matches_hf(glm_path):
 RELEASED_CONFIG = {
     "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "vocab_size": 151552, "hidden_size": 5120,
     "intermediate_size": 12288, "moe_intermediate_size": 1536, "num_hidden_layers": 92, "num_attention_heads": 96,
-    "num_key_value_heads": 8, "head_dim": 128, "partial_rotary_factor": 0.5, "rope_theta": 1000000, "n_routed_experts": 160,
-    "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 3,
-    "routed_scaling_factor": 2.5, "norm_topk_prob": True, "use_qk_norm": True, "attention_bias": True, "num_nextn_predict_layers": 1,
+    "num_key_value_heads": 8, "head_dim": 128, "partial_rotary_factor": 0.5, "rope_theta": 1000000,
+    "n_routed_experts": 160, "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 1, "topk_group": 1,
+    "first_k_dense_replace": 3, "routed_scaling_factor": 2.5, "norm_topk_prob": True, "use_qk_norm": True,
+    "attention_bias": True, "num_nextn_predict_layers": 1,
     "eos_token_id": [151329, 151336, 151338], "rms_norm_eps": 1e-05, "tie_word_embeddings": False, "hidden_act": "silu",
 }  # fmt: skip
 
@@ -278,9 +345,19 @@ def test_released_config_reads_as_hf_reads_it():
     assert family.hf_class == "Glm4MoeForCausalLM"
     assert cfg.rotary_dim == int(hf.head_dim * hf.rope_parameters["partial_rotary_factor"]) == 64
     assert cfg.rope_theta == hf.rope_parameters["rope_theta"] and cfg.head_dim == hf.head_dim
-    assert cfg.num_nextn_predict_layers == hf.num_mtp_layers == 1 and cfg.eos_token_ids == (151329, 151336, 151338)
+    assert cfg.num_nextn_predict_layers == hf.num_mtp_layers == 1 and cfg.eos_token_ids == (
+        151329,
+        151336,
+        151338,
+    )
     assert [cfg.is_moe_layer(i) for i in (2, 3)] == [False, True] and cfg.cache_dim == 2 * 8 * 128
-    with pytest.raises(CheckpointError, match=r"^config\.json: partial_rotary_factor must give an even rotary width in \[2, head_dim=128\], got 63$"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"^config\.json: partial_rotary_factor must give an even rotary width in \[2, head_dim=128\], got 63$",
+    ):
         family.config.from_dict({**RELEASED_CONFIG, "partial_rotary_factor": 63 / 128})
-    with pytest.raises(CheckpointError, match=r"^config\.json: num_attention_heads 96 not divisible by num_key_value_heads 7$"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"^config\.json: num_attention_heads 96 not divisible by num_key_value_heads 7$",
+    ):
         family.config.from_dict({**RELEASED_CONFIG, "num_key_value_heads": 7})

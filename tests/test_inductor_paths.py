@@ -25,7 +25,15 @@ def compiled(distilled_checkpoint):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(packed_linear, "MIN_WEIGHT", 0)
         mp.setattr(narrow_linear, "KERNEL_WEIGHT", 0)
-        rt = Runtime(model, mtp_depth=3, mtp_depths=(1, 2, 3), batch_sizes=(1, 4), max_seq_len=48, compile_backend="inductor", prefill_chunk=8)
+        rt = Runtime(
+            model,
+            mtp_depth=3,
+            mtp_depths=(1, 2, 3),
+            batch_sizes=(1, 4),
+            max_seq_len=48,
+            compile_backend="inductor",
+            prefill_chunk=8,
+        )
         yield model, rt
     assert rt.stats()["recompiles"] == 0
 
@@ -45,11 +53,16 @@ def test_padded_row_touches_no_live_or_free_slot(compiled):
     rt.mtp_depth = 3
     prompts = prompts_for(97, [6, 3, 9], seed=30)
     max_new = [10, 18, 26]
-    ids = [rt.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(prompts, max_new)]
+    ids = [
+        rt.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(prompts, max_new)
+    ]
     outputs = rt.step()  # prefills
     (free,) = set(range(rt.state.num_slots)) - set(rt._running)
     state = rt.state
-    before = {name: buf.select(1 if name.endswith("cache") else 0, free).clone() for name, buf in state.named_buffers()}
+    before = {
+        name: buf.select(1 if name.endswith("cache") else 0, free).clone()
+        for name, buf in state.named_buffers()
+    }
     while rt.has_unfinished():
         outputs += rt.step()
     for name, buf in state.named_buffers():
@@ -65,11 +78,19 @@ def test_seeded_request_alone_and_in_a_full_batch(compiled):
     """The same seeded request at bucket 1 and among three others at bucket 4."""
     _, rt = compiled
     rt.mtp_depth = 3
-    params = SamplingParams(max_new_tokens=16, temperature=0.9, top_k=40, top_p=0.95, seed=1234, ignore_eos=True)
+    params = SamplingParams(
+        max_new_tokens=16, temperature=0.9, top_k=40, top_p=0.95, seed=1234, ignore_eos=True
+    )
     prompt = [11, 22, 33, 44]
     alone = rt.generate([prompt], params)[0]
-    others = [SamplingParams(max_new_tokens=n, temperature=t, seed=s, ignore_eos=True) for n, t, s in [(20, 1.0, 1), (20, 0.0, None), (20, 0.5, 7)]]
+    others = [
+        SamplingParams(max_new_tokens=n, temperature=t, seed=s, ignore_eos=True)
+        for n, t, s in [(20, 1.0, 1), (20, 0.0, None), (20, 0.5, 7)]
+    ]
     batched = rt.generate([[1, 2, 3], prompt, [9] * 7, [4, 4]], [others[0], params, *others[1:]])[1]
-    assert rt.graphs.replays[GraphKey(GraphKind.target_verify, 1, 3)] > 0 and rt.graphs.replays[GraphKey(GraphKind.target_verify, 4, 3)] > 0
+    assert (
+        rt.graphs.replays[GraphKey(GraphKind.target_verify, 1, 3)] > 0
+        and rt.graphs.replays[GraphKey(GraphKind.target_verify, 4, 3)] > 0
+    )
     assert batched.token_ids == alone.token_ids
     assert batched.accepted_per_step == alone.accepted_per_step

@@ -10,7 +10,13 @@ import torch
 
 from compiled_mtp.models.checkpoint import load_model
 from compiled_mtp.models.config import CheckpointError
-from tests.checkpoints import dequantize_checkpoint, read_state_dict, set_config_fields, tiny_config, write_checkpoint
+from tests.checkpoints import (
+    dequantize_checkpoint,
+    read_state_dict,
+    set_config_fields,
+    tiny_config,
+    write_checkpoint,
+)
 from tests.corruption import add_key, copy_checkpoint, delete_key, reshape_key, truncate_file, write_garbage
 from tests.test_models import engine_logits
 
@@ -83,16 +89,47 @@ def _broken(tmp_path, src, breaker):
 
 
 BAD = {
-    "missing key": (lambda p: delete_key(p, "model.layers.1.self_attn.o_proj.weight"), r"missing key 'model\.layers\.1\.self_attn\.o_proj\.weight'"),
-    "missing expert": (lambda p: delete_key(p, "model.layers.2.mlp.experts.3.up_proj.weight"), r"missing key 'model\.layers\.2\.mlp\.experts\.3\.up_proj\.weight'"),
-    "unexpected key": (lambda p: add_key(p, "model.layers.0.mlp.bogus.weight"), r"model\.safetensors: unexpected key 'model\.layers\.0\.mlp\.bogus\.weight'"),
-    "shape mismatch": (lambda p: reshape_key(p, "model.layers.0.self_attn.kv_b_proj.weight", (7, 16)), r"model\.safetensors: key 'model\.layers\.0\.self_attn\.kv_b_proj\.weight' has shape \[7, 16\], expected \[80, 16\]"),
-    "truncated file": (lambda p: truncate_file(p / "model.safetensors"), r"model\.safetensors: unreadable or truncated"),
-    "garbage file": (lambda p: write_garbage(p / "model.safetensors"), r"model\.safetensors: unreadable or truncated"),
-    "model type": (lambda p: set_config_fields(p, model_type="llama"), r"config\.json: model_type 'llama' is not supported"),
-    "architecture": (lambda p: set_config_fields(p, architectures=["LlamaForCausalLM"]), r"config\.json: architectures \['LlamaForCausalLM'\] not supported"),
-    "missing config field": (lambda p: set_config_fields(p, remove=("kv_lora_rank",)), r"config\.json: missing required field 'kv_lora_rank'"),
-    "no mtp layers": (lambda p: set_config_fields(p, num_nextn_predict_layers=0), r"config\.json: num_nextn_predict_layers is 0, so mtp_depth must be 0"),
+    "missing key": (
+        lambda p: delete_key(p, "model.layers.1.self_attn.o_proj.weight"),
+        r"missing key 'model\.layers\.1\.self_attn\.o_proj\.weight'",
+    ),
+    "missing expert": (
+        lambda p: delete_key(p, "model.layers.2.mlp.experts.3.up_proj.weight"),
+        r"missing key 'model\.layers\.2\.mlp\.experts\.3\.up_proj\.weight'",
+    ),
+    "unexpected key": (
+        lambda p: add_key(p, "model.layers.0.mlp.bogus.weight"),
+        r"model\.safetensors: unexpected key 'model\.layers\.0\.mlp\.bogus\.weight'",
+    ),
+    "shape mismatch": (
+        lambda p: reshape_key(p, "model.layers.0.self_attn.kv_b_proj.weight", (7, 16)),
+        r"model\.safetensors: key 'model\.layers\.0\.self_attn\.kv_b_proj\.weight' "
+        r"has shape \[7, 16\], expected \[80, 16\]",
+    ),
+    "truncated file": (
+        lambda p: truncate_file(p / "model.safetensors"),
+        r"model\.safetensors: unreadable or truncated",
+    ),
+    "garbage file": (
+        lambda p: write_garbage(p / "model.safetensors"),
+        r"model\.safetensors: unreadable or truncated",
+    ),
+    "model type": (
+        lambda p: set_config_fields(p, model_type="llama"),
+        r"config\.json: model_type 'llama' is not supported",
+    ),
+    "architecture": (
+        lambda p: set_config_fields(p, architectures=["LlamaForCausalLM"]),
+        r"config\.json: architectures \['LlamaForCausalLM'\] not supported",
+    ),
+    "missing config field": (
+        lambda p: set_config_fields(p, remove=("kv_lora_rank",)),
+        r"config\.json: missing required field 'kv_lora_rank'",
+    ),
+    "no mtp layers": (
+        lambda p: set_config_fields(p, num_nextn_predict_layers=0),
+        r"config\.json: num_nextn_predict_layers is 0, so mtp_depth must be 0",
+    ),
     "no config": (lambda p: (p / "config.json").unlink(), r"config\.json: not found"),
 }
 

@@ -40,7 +40,9 @@ def engine_mtp_logits(model, tokens: list[int]) -> torch.Tensor:
     slot = torch.tensor([0])
     hidden = model.forward_target(torch.tensor([tokens]), pos, pos, slot, cache)
     mtp_cache = model.new_cache(model.num_mtp_layers, 1, n)
-    m = model.forward_mtp(0, torch.tensor([tokens[1:]]), hidden[:, :-1], pos[:, :-1], pos[:, :-1], slot, mtp_cache)
+    m = model.forward_mtp(
+        0, torch.tensor([tokens[1:]]), hidden[:, :-1], pos[:, :-1], pos[:, :-1], slot, mtp_cache
+    )
     return model.logits(m)[0]
 
 
@@ -58,7 +60,9 @@ def test_target_and_mtp_logits_match_hf(config):
         expected = hf_logits(hf, tokens)
         torch.testing.assert_close(engine_logits(ours, tokens), expected, atol=ATOL, rtol=RTOL)
         torch.testing.assert_close(engine_logits(ours, tokens, chunk=3), expected, atol=ATOL, rtol=RTOL)
-        torch.testing.assert_close(engine_mtp_logits(ours, tokens), hf_mtp_draft_logits(hf, tokens), atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(
+            engine_mtp_logits(ours, tokens), hf_mtp_draft_logits(hf, tokens), atol=ATOL, rtol=RTOL
+        )
 
 
 @torch.no_grad()
@@ -68,4 +72,6 @@ def test_moe_gathered_and_masked_experts_agree(tiny_checkpoint):
     moe = model.model.layers[1].mlp
     x = torch.randn(9, model.cfg.hidden_size, generator=torch.Generator().manual_seed(1))
     idx, weights = moe.gate(x)
-    torch.testing.assert_close(moe.experts.gathered(x, idx, weights), moe.experts.masked(x, idx, weights), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        moe.experts.gathered(x, idx, weights), moe.experts.masked(x, idx, weights), atol=1e-5, rtol=1e-5
+    )

@@ -32,13 +32,23 @@ def test_few_row_linear_matches_f_linear(rows, out_features, in_features):
     """Every row count the kernel has a loop for, with and without a partial last block of weight rows
     and a tail shorter than a vector."""
     gen = torch.Generator().manual_seed(rows * 1000 + out_features + in_features)
-    x, weight = torch.randn(rows, in_features, generator=gen), torch.randn(out_features, in_features, generator=gen)
+    x, weight = (
+        torch.randn(rows, in_features, generator=gen),
+        torch.randn(out_features, in_features, generator=gen),
+    )
     expected = torch.nn.functional.linear(x.double(), weight.double()).float()
     torch.testing.assert_close(ops.few_row_linear(x, weight), expected, rtol=1e-5, atol=1e-4)
 
 
 @settings(max_examples=40)
-@given(rows=st.integers(1, 11), k=st.integers(1, 4), extra=st.integers(0, 5), inter=st.integers(1, 40), hidden=st.integers(1, 70), seed=st.integers(0, 2**16))
+@given(
+    rows=st.integers(1, 11),
+    k=st.integers(1, 4),
+    extra=st.integers(0, 5),
+    inter=st.integers(1, 40),
+    hidden=st.integers(1, 70),
+    seed=st.integers(0, 2**16),
+)
 def test_routed_experts_matches_the_gathered_products(rows, k, extra, inter, hidden, seed):
     """Any row count, chunks of 1-4 rows per expert, lengths that leave vector tails, and an expert
     chosen twice by one row (the kernel takes what it is given)."""
@@ -47,7 +57,10 @@ def test_routed_experts_matches_the_gathered_products(rows, k, extra, inter, hid
     x = torch.randn(rows, hidden, generator=gen)
     idx = torch.randint(0, n_experts, (rows, k), generator=gen)
     weights = torch.rand(rows, k, generator=gen)
-    gate, up, down = (torch.randn(shape, generator=gen) for shape in ((n_experts, inter, hidden), (n_experts, inter, hidden), (n_experts, hidden, inter)))
+    gate, up, down = (
+        torch.randn(shape, generator=gen)
+        for shape in ((n_experts, inter, hidden), (n_experts, inter, hidden), (n_experts, hidden, inter))
+    )
     expected = gathered_experts(x, idx, weights, gate, up, down)
     got = ops.routed_experts(x, idx, weights, gate, up, down)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * max(1.0, expected.abs().max().item()))
@@ -59,33 +72,70 @@ def test_dense_mlp_matches_the_model_function(shape):
     gen = torch.Generator().manual_seed(sum(shape))
     hidden, inter = shape[-1], 2 * shape[-1] + 1
     x = torch.randn(shape, generator=gen)
-    gate, up, down = torch.randn(inter, hidden, generator=gen), torch.randn(inter, hidden, generator=gen), torch.randn(hidden, inter, generator=gen)
+    gate, up, down = (
+        torch.randn(inter, hidden, generator=gen),
+        torch.randn(inter, hidden, generator=gen),
+        torch.randn(hidden, inter, generator=gen),
+    )
     expected = dense_mlp(x.double(), gate.double(), up.double(), down.double()).float()
-    torch.testing.assert_close(ops.dense_mlp(x, gate, up, down), expected, rtol=1e-4, atol=1e-4 * max(1.0, expected.abs().max().item()))
+    torch.testing.assert_close(
+        ops.dense_mlp(x, gate, up, down),
+        expected,
+        rtol=1e-4,
+        atol=1e-4 * max(1.0, expected.abs().max().item()),
+    )
 
 
-def _attention_case(gen: torch.Generator, batch: int, rows: int, capacity: int, heads: int, rank: int, rope: int, slots: int, blind: bool):
+def _attention_case(
+    gen: torch.Generator,
+    batch: int,
+    rows: int,
+    capacity: int,
+    heads: int,
+    rank: int,
+    rope: int,
+    slots: int,
+    blind: bool,
+):
     """Random queries and cache; each row sees its cache up to a random position (none at all, with
     `blind`, for some rows)."""
-    q_latent, q_pe = torch.randn(batch, rows, heads, rank, generator=gen), torch.randn(batch, rows, heads, rope, generator=gen)
+    q_latent, q_pe = (
+        torch.randn(batch, rows, heads, rank, generator=gen),
+        torch.randn(batch, rows, heads, rope, generator=gen),
+    )
     cache = 10 * torch.randn(slots, capacity, rank + rope, generator=gen)
-    slot_ids = torch.randperm(slots, generator=gen)[:batch] if batch <= slots else torch.randint(0, slots, (batch,), generator=gen)
+    slot_ids = (
+        torch.randperm(slots, generator=gen)[:batch]
+        if batch <= slots
+        else torch.randint(0, slots, (batch,), generator=gen)
+    )
     positions = torch.randint(-1 if blind else 0, capacity, (batch, rows), generator=gen)
     return q_latent, q_pe, cache, slot_ids, torch.arange(capacity) <= positions[..., None]
 
 
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(
-    batch=st.integers(1, 3), rows=st.integers(1, 5), capacity=st.integers(1, 150), heads=st.integers(1, 3),
-    rank=st.integers(1, 40), rope=st.integers(1, 20), slots=st.integers(3, 5), blind=st.booleans(), strided=st.booleans(),
+    batch=st.integers(1, 3),
+    rows=st.integers(1, 5),
+    capacity=st.integers(1, 150),
+    heads=st.integers(1, 3),
+    rank=st.integers(1, 40),
+    rope=st.integers(1, 20),
+    slots=st.integers(3, 5),
+    blind=st.booleans(),
+    strided=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_live_attention_equals_attention_over_the_whole_cache(batch, rows, capacity, heads, rank, rope, slots, blind, strided, seed):
+def test_live_attention_equals_attention_over_the_whole_cache(
+    batch, rows, capacity, heads, rank, rope, slots, blind, strided, seed
+):
     """The op reads only up to the last entry a request's rows see; entries past it, whatever they
     hold, have no weight in the traced attention. Widths with and without vector tails, caches over
     several of the kernel's entry blocks, rows that see nothing (NaN, as traced), and queries read in
     place by their strides (head-major, as the absorbed products leave q_latent, or slices of a wider row)."""
-    q_latent, q_pe, cache, slot_ids, visible = _attention_case(torch.Generator().manual_seed(seed), batch, rows, capacity, heads, rank, rope, slots, blind)
+    q_latent, q_pe, cache, slot_ids, visible = _attention_case(
+        torch.Generator().manual_seed(seed), batch, rows, capacity, heads, rank, rope, slots, blind
+    )
     if strided:
         q_latent = q_latent.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
         q_pe = torch.cat([q_pe, torch.randn_like(q_pe)], dim=-1)[..., :rope]
@@ -100,21 +150,58 @@ def _refusals():
     """(op call, the message it must raise): a dtype, a shape, a layout or an index each kernel does not take."""
     gen = torch.Generator().manual_seed(0)
     x, w = torch.randn(3, 40, generator=gen), torch.randn(48, 40, generator=gen)
-    e_x, idx, e_w = torch.randn(3, 24, generator=gen), torch.randint(0, 6, (3, 2), generator=gen), torch.rand(3, 2, generator=gen)
-    gate, up, down = torch.randn(6, 8, 24, generator=gen), torch.randn(6, 8, 24, generator=gen), torch.randn(6, 24, 8, generator=gen)
+    e_x, idx, e_w = (
+        torch.randn(3, 24, generator=gen),
+        torch.randint(0, 6, (3, 2), generator=gen),
+        torch.rand(3, 2, generator=gen),
+    )
+    gate, up, down = (
+        torch.randn(6, 8, 24, generator=gen),
+        torch.randn(6, 8, 24, generator=gen),
+        torch.randn(6, 24, 8, generator=gen),
+    )
     q_latent, q_pe, cache, slots, visible = _attention_case(gen, 2, 3, 70, 2, 20, 6, 3, blind=False)
-    logits, drafts, q, noise = torch.randn(2, 3, 50, generator=gen), torch.randint(0, 50, (2, 2), generator=gen), torch.rand(2, 2, 50, generator=gen), torch.rand(2, 3, generator=gen)
+    logits, drafts, q, noise = (
+        torch.randn(2, 3, 50, generator=gen),
+        torch.randint(0, 50, (2, 2), generator=gen),
+        torch.rand(2, 2, 50, generator=gen),
+        torch.rand(2, 3, generator=gen),
+    )
     return [
-        (lambda: ops.few_row_linear(x.bfloat16(), w.bfloat16()), "few_row_linear: x must be Float, got BFloat16"),
+        (
+            lambda: ops.few_row_linear(x.bfloat16(), w.bfloat16()),
+            "few_row_linear: x must be Float, got BFloat16",
+        ),
         (lambda: ops.few_row_linear(torch.randn(5, 40), w), "few_row_linear: x must have 1 to 4 rows, got 5"),
         (lambda: ops.few_row_linear(x, w.t().contiguous().t()), "few_row_linear: weight must be contiguous"),
-        (lambda: ops.few_row_linear(x, w[:, :39].contiguous()), "few_row_linear: x has 40 columns, weight 39"),
-        (lambda: ops.routed_experts(e_x, idx, e_w, gate, up, down[:, :, :7].contiguous()), "routed_experts: down must be [6, 24, 8], got [6, 24, 7]"),
-        (lambda: ops.dense_mlp(e_x, gate[0], up[0], down[0, :8].contiguous()), "dense_mlp: down must be [24, 8], got [8, 8]"),
-        (lambda: ops.routed_experts(e_x, idx.clamp(max=0) + 6, e_w, gate, up, down), "routed_experts: expert id 6 outside [0, 6)"),
-        (lambda: ops.live_attention(q_latent, q_pe, cache, slots, visible[:, :, :69], 0.3), "live_attention: visible must be [2, 3, 70], got [2, 3, 69]"),
-        (lambda: ops.live_attention(q_latent, q_pe, cache, slots.int(), visible, 0.3), "live_attention: slots must be Long, got Int"),
-        (lambda: ops.greedy_sample(logits, torch.zeros(2), drafts[:, :1], q, noise), "greedy_sample: drafts must be [2, 2], got [2, 1]"),
+        (
+            lambda: ops.few_row_linear(x, w[:, :39].contiguous()),
+            "few_row_linear: x has 40 columns, weight 39",
+        ),
+        (
+            lambda: ops.routed_experts(e_x, idx, e_w, gate, up, down[:, :, :7].contiguous()),
+            "routed_experts: down must be [6, 24, 8], got [6, 24, 7]",
+        ),
+        (
+            lambda: ops.dense_mlp(e_x, gate[0], up[0], down[0, :8].contiguous()),
+            "dense_mlp: down must be [24, 8], got [8, 8]",
+        ),
+        (
+            lambda: ops.routed_experts(e_x, idx.clamp(max=0) + 6, e_w, gate, up, down),
+            "routed_experts: expert id 6 outside [0, 6)",
+        ),
+        (
+            lambda: ops.live_attention(q_latent, q_pe, cache, slots, visible[:, :, :69], 0.3),
+            "live_attention: visible must be [2, 3, 70], got [2, 3, 69]",
+        ),
+        (
+            lambda: ops.live_attention(q_latent, q_pe, cache, slots.int(), visible, 0.3),
+            "live_attention: slots must be Long, got Int",
+        ),
+        (
+            lambda: ops.greedy_sample(logits, torch.zeros(2), drafts[:, :1], q, noise),
+            "greedy_sample: drafts must be [2, 2], got [2, 1]",
+        ),
     ]
 
 
@@ -136,7 +223,10 @@ def unbuilt(monkeypatch):
 
     monkeypatch.setattr("torch.utils.cpp_extension.load", no_compiler)
     library.load.cache_clear()
-    with pytest.warns(UserWarning, match=r"^compiled_mtp: the C\+\+ ops did not build \(g\+\+: not found\); their regions stay as traced$"):
+    with pytest.warns(
+        UserWarning,
+        match=r"^compiled_mtp: the C\+\+ ops did not build \(g\+\+: not found\); their regions stay as traced$",
+    ):
         assert library.load() is False
     yield
     monkeypatch.undo()
@@ -152,8 +242,15 @@ def test_without_the_library_every_region_stays_as_traced(tiny_checkpoint, unbui
     monkeypatch.setattr(narrow_linear, "KERNEL_WEIGHT", 0)
     with caplog.at_level("INFO", logger="compiled_mtp.passes"):
         key = GraphKey(GraphKind.target_verify, 2, 2)
-        _, after = post_grad_graphs(key.kind, model, state, example_inputs(key, model, prefill_chunk=8), available())
-    native = {ops.few_row_linear.default, ops.live_attention.default, ops.routed_experts.default, ops.dense_mlp.default}
+        _, after = post_grad_graphs(
+            key.kind, model, state, example_inputs(key, model, prefill_chunk=8), available()
+        )
+    native = {
+        ops.few_row_linear.default,
+        ops.live_attention.default,
+        ops.routed_experts.default,
+        ops.dense_mlp.default,
+    }
     assert not [n for n in after.graph.nodes if n.target in native]
     for name in ("live_attention", "group_experts", "fuse_dense_mlp"):
         assert f"{name}: left as traced: the C++ ops did not build" in caplog.text

@@ -5,23 +5,25 @@ test_compiled.py (torch.compile) and test_capture.py (AOTInductor)."""
 
 from __future__ import annotations
 
+from typing import ClassVar
 
 import pytest
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from compiled_mtp.capture.post_grad import post_grad_graphs
 from compiled_mtp.graphs.plan import GraphKey, GraphKind, example_inputs
 from compiled_mtp.graphs.state import StaticState
 from compiled_mtp.models.checkpoint import load_model
 from compiled_mtp.models.deepseek_v3 import Linear
 from compiled_mtp.ops import packed_linear
+from compiled_mtp.passes import narrow_linear
+from compiled_mtp.passes import packed_linear as packed_linear_pass
 from compiled_mtp.passes.fold_key_constants import PREFIX, key_only
-from compiled_mtp.capture.post_grad import post_grad_graphs
 from compiled_mtp.passes.fx_nodes import calls_of
-from compiled_mtp.passes.region import Unfusable, one_agreeing
 from compiled_mtp.passes.manager import REGISTRY, PassManager, available, inductor_options
-from compiled_mtp.passes import narrow_linear, packed_linear as packed_linear_pass
 from compiled_mtp.passes.packed_linear import LINEAR
+from compiled_mtp.passes.region import Unfusable, one_agreeing
 
 FEW_ROWS = torch.ops.compiled_mtp.few_row_linear.default
 FUSED = torch.ops.compiled_mtp.verify_sample.default
@@ -64,7 +66,9 @@ def _randomize(state, model, seed):
             buf.copy_(torch.randn(buf.shape, generator=gen))
         probs = torch.softmax(3 * torch.randn(state.draft_probs.shape, generator=gen), dim=-1)
         state.draft_probs.copy_(probs)
-        state.drafts.copy_(torch.multinomial(probs.view(-1, probs.shape[-1]), 1, generator=gen).view(state.drafts.shape))
+        state.drafts.copy_(
+            torch.multinomial(probs.view(-1, probs.shape[-1]), 1, generator=gen).view(state.drafts.shape)
+        )
         state.last_token.random_(0, model.cfg.vocab_size, generator=gen)
     for slot in range(state.num_slots):
         state.set_sampling(slot, *PARAMS[(slot + seed) % len(PARAMS)])
@@ -84,7 +88,14 @@ def _step_inputs(kind, b, k, model, seed):
         hidden = torch.randn(b, k + 1, model.cfg.hidden_size, generator=gen)
         return slots, seq_lens, accepted, committed, hidden, torch.rand(b, 1, generator=gen)
     tokens = torch.randint(0, model.cfg.vocab_size, (1, 8), generator=gen)
-    return tokens, tokens.roll(-1), slots[:1], torch.zeros(1, dtype=torch.long), torch.tensor([6]), torch.rand(1, 2, generator=gen)
+    return (
+        tokens,
+        tokens.roll(-1),
+        slots[:1],
+        torch.zeros(1, dtype=torch.long),
+        torch.tensor([6]),
+        torch.rand(1, 2, generator=gen),
+    )
 
 
 def _run(graph, state, model, inputs, seed):
@@ -98,7 +109,10 @@ def _run(graph, state, model, inputs, seed):
 def _assert_same(before, after, state, model, kind, b, k, seeds=(0, 1, 2), exact=True):
     for seed in seeds:
         inputs = _step_inputs(kind, b, k, model, seed)
-        (out_b, state_b), (out_a, state_a) = _run(before, state, model, inputs, seed), _run(after, state, model, inputs, seed)
+        (out_b, state_b), (out_a, state_a) = (
+            _run(before, state, model, inputs, seed),
+            _run(after, state, model, inputs, seed),
+        )
         for x, y in list(zip(out_b, out_a)) + [(state_b[n], state_a[n]) for n in state_b]:
             if exact or not x.is_floating_point():
                 assert torch.equal(x, y)
@@ -113,21 +127,43 @@ def _count(graph, target):
 @pytest.mark.parametrize("b,k", [(1, 0), (2, 1), (3, 3)])
 def test_verify_sampling_becomes_one_fused_op(model, state, b, k):
     before, after = _graphs("target_verify", b, k, model, state, ("fuse_verify_sampling",))
-    assert _count(before, FUSED) == 0 and _count(before, aten.sort.stable) == 1 and _count(before, aten.cumsum.default) == 2
-    assert _count(after, FUSED) == 1 and _count(after, aten.sort.stable) == 0 and _count(after, aten.cumsum.default) == 0
+    assert (
+        _count(before, FUSED) == 0
+        and _count(before, aten.sort.stable) == 1
+        and _count(before, aten.cumsum.default) == 2
+    )
+    assert (
+        _count(after, FUSED) == 1
+        and _count(after, aten.sort.stable) == 0
+        and _count(after, aten.cumsum.default) == 0
+    )
     removed = len(before.graph.nodes) - len(after.graph.nodes)
     assert removed >= 60, f"{len(before.graph.nodes)} -> {len(after.graph.nodes)} nodes"
     _assert_same(before, after, state, model, "target_verify", b, k, seeds=range(5))
 
 
-@pytest.mark.parametrize("kind,b,k,drafts", [("draft_extend", 1, 1, 1), ("draft_extend", 3, 2, 1), ("draft_decode", 2, 3, 2), ("draft_decode", 1, 2, 1)])
+@pytest.mark.parametrize(
+    "kind,b,k,drafts",
+    [
+        ("draft_extend", 1, 1, 1),
+        ("draft_extend", 3, 2, 1),
+        ("draft_decode", 2, 3, 2),
+        ("draft_decode", 1, 2, 1),
+    ],
+)
 def test_each_draft_sampling_becomes_one_fused_op(model, state, kind, b, k, drafts):
     """One op per draft the graph samples, no sort left; the same drafts, draft distributions and
     state as without the pass, over mixed greedy / temperature / top-k / top-p requests."""
     before, after = _graphs(kind, b, k, model, state, ("fuse_draft_sampling",))
     assert _count(before, DRAFT_FUSED) == 0 and _count(before, aten.sort.stable) == drafts
-    assert _count(after, DRAFT_FUSED) == drafts and _count(after, aten.sort.stable) == 0 and _count(after, aten.cumsum.default) == 0
-    assert len(before.graph.nodes) - len(after.graph.nodes) >= 40 * drafts, f"{len(before.graph.nodes)} -> {len(after.graph.nodes)} nodes"
+    assert (
+        _count(after, DRAFT_FUSED) == drafts
+        and _count(after, aten.sort.stable) == 0
+        and _count(after, aten.cumsum.default) == 0
+    )
+    assert len(before.graph.nodes) - len(after.graph.nodes) >= 40 * drafts, (
+        f"{len(before.graph.nodes)} -> {len(after.graph.nodes)} nodes"
+    )
     _assert_same(before, after, state, model, kind, b, k, seeds=range(5), exact=False)
 
 
@@ -140,10 +176,15 @@ def test_draft_sampling_that_disagrees_with_the_op_stays(model, state, monkeypat
     with caplog.at_level("WARNING", logger="compiled_mtp.passes"):
         _, after = _graphs("draft_extend", 2, 1, model, state, ("fuse_draft_sampling",))
     assert _count(after, aten.sort.stable) == 1
-    assert "fuse_draft_sampling: left as traced: the op reproduces the region on 0%, 0%, 0%, 0%, 0%, 0% of the probes under the 6 assignments of its inputs, expected exactly one at 90% or more" in caplog.text
+    assert (
+        "fuse_draft_sampling: left as traced: the op reproduces the region on 0%, 0%, 0%, 0%, 0%, 0% of the probes "
+        "under the 6 assignments of its inputs, expected exactly one at 90% or more"
+    ) in caplog.text
 
 
-@pytest.mark.parametrize("kind,b,k", [("prefill", 1, 0), ("draft_decode", 2, 3), ("target_verify", 2, 2), ("draft_extend", 2, 2)])
+@pytest.mark.parametrize(
+    "kind,b,k", [("prefill", 1, 0), ("draft_decode", 2, 3), ("target_verify", 2, 2), ("draft_extend", 2, 2)]
+)
 def test_no_key_only_op_survives_the_passes(model, state, kind, b, k):
     before, after = _graphs(kind, b, k, model, state, ALL)
     fixed = key_only(before.graph)
@@ -162,13 +203,19 @@ def test_folding_alone_changes_no_value(model, state, kind, b, k):
     _assert_same(before, after, state, model, kind, b, k)  # calls `after` once per seed, in turn
     # No call writes a constant (a folded zero accumulator updated in place would be one): each sees
     # the values folded at compile time.
-    assert all(torch.equal(value, folded[name]) for name, value in after.named_buffers() if name.startswith(PREFIX))
+    assert all(
+        torch.equal(value, folded[name]) for name, value in after.named_buffers() if name.startswith(PREFIX)
+    )
 
 
 def _linear_weights(graph):
     """Weights read by mm(x, permute(W)) / addmm(b, x, permute(W)) nodes."""
     mms = [n for n in graph.graph.nodes if n.target in (aten.mm.default, aten.addmm.default)]
-    return [n.args[-1].args[0] for n in mms if n.args[-1].target is aten.permute.default and n.args[-1].args[0].op in ("placeholder", "get_attr")]
+    return [
+        n.args[-1].args[0]
+        for n in mms
+        if n.args[-1].target is aten.permute.default and n.args[-1].args[0].op in ("placeholder", "get_attr")
+    ]
 
 
 @pytest.fixture
@@ -203,33 +250,54 @@ def test_packed_linear_op_matches_f_linear(rows):
     wrapped.weight, wrapped.bias = layer.weight, layer.bias
     x = torch.randn(rows, 48, generator=gen)
     expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
-    assert torch.equal(packed_linear.linear(x, layer.weight.detach(), layer.bias.detach()), expected)  # not packed yet
+    assert torch.equal(
+        packed_linear.linear(x, layer.weight.detach(), layer.bias.detach()), expected
+    )  # not packed yet
     assert packed_linear.pack_linears(wrapped) == int(packed_linear.available())
-    torch.testing.assert_close(packed_linear.linear(x, layer.weight.detach(), layer.bias.detach()), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        packed_linear.linear(x, layer.weight.detach(), layer.bias.detach()), expected, rtol=1e-5, atol=1e-5
+    )
     with torch.no_grad():  # an in-place update: the packed copy must follow, not serve stale weights
         layer.weight.mul_(-2.0)
-    torch.testing.assert_close(packed_linear.linear(x, layer.weight.detach(), layer.bias.detach()), layer(x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        packed_linear.linear(x, layer.weight.detach(), layer.bias.detach()), layer(x), rtol=1e-5, atol=1e-5
+    )
     bf16 = layer.weight.detach().bfloat16()
-    assert torch.equal(packed_linear.linear(x.bfloat16(), bf16, None), torch.nn.functional.linear(x.bfloat16(), bf16))
+    assert torch.equal(
+        packed_linear.linear(x.bfloat16(), bf16, None), torch.nn.functional.linear(x.bfloat16(), bf16)
+    )
 
 
-@pytest.mark.parametrize("kind,b,k,rows", [("draft_extend", 2, 3, 2), ("draft_decode", 3, 2, 3), ("target_verify", 2, 2, 6)])
+@pytest.mark.parametrize(
+    "kind,b,k,rows", [("draft_extend", 2, 3, 2), ("draft_decode", 3, 2, 3), ("target_verify", 2, 2, 6)]
+)
 def test_lm_head_runs_only_on_rows_that_are_used(model, state, kind, b, k, rows, pack_every_size):
     """One row per request in draft_extend and each draft step; all K+1 in verify."""
     _, after = _graphs(kind, b, k, model, state, ("packed_linear",))
     vocab = model.cfg.vocab_size
-    head_rows = [n.args[0].meta["val"].shape[0] for n in after.graph.nodes if n.target is LINEAR and n.args[1].meta["val"].shape[0] == vocab]
+    head_rows = [
+        n.args[0].meta["val"].shape[0]
+        for n in after.graph.nodes
+        if n.target is LINEAR and n.args[1].meta["val"].shape[0] == vocab
+    ]
     assert head_rows == [rows] * (k - 1 if kind == "draft_decode" else 1)
 
 
-@pytest.mark.parametrize("kind,b,k,share", [("draft_extend", 1, 3, "all"), ("draft_extend", 2, 2, "some"), ("target_verify", 2, 2, "none")])
+@pytest.mark.parametrize(
+    "kind,b,k,share",
+    [("draft_extend", 1, 3, "all"), ("draft_extend", 2, 2, "some"), ("target_verify", 2, 2, "none")],
+)
 def test_narrow_linear_takes_every_linear_on_few_rows(model, state, kind, b, k, share):
     """Linears on at most 4 rows (all of draft_extend at B=1, K=3: 4 rows through M, 1 through the LM
     head; at B=2, K=2 only its LM head; none of a 6-row verify) become a multiply-and-sum over the
     weight in place, and so do batched products of at most 4 rows (the attention's per-head
     products); the others stay."""
     before, after = _graphs(kind, b, k, model, state, ("narrow_linear",))
-    rows = [n.args[-2].meta["val"].shape[0] for n in before.graph.nodes if n.target in (aten.mm.default, aten.addmm.default)]
+    rows = [
+        n.args[-2].meta["val"].shape[0]
+        for n in before.graph.nodes
+        if n.target in (aten.mm.default, aten.addmm.default)
+    ]
     few = sum(r <= 4 for r in rows)
     assert {"all": few == len(rows) > 0, "some": 0 < few < len(rows), "none": few == 0}[share]
     assert len(_linear_weights(after)) == len(_linear_weights(before)) - few
@@ -240,19 +308,30 @@ def test_narrow_linear_takes_every_linear_on_few_rows(model, state, kind, b, k, 
     _assert_same(before, after, state, model, kind, b, k, exact=False)
 
 
-@pytest.mark.parametrize("kind,b,k", [("draft_extend", 1, 3), ("target_verify", 1, 3), ("target_verify", 1, 1)])
-def test_narrow_linear_sends_large_weights_on_2_to_4_rows_to_the_kernel(model, state, kind, b, k, monkeypatch):
+@pytest.mark.parametrize(
+    "kind,b,k", [("draft_extend", 1, 3), ("target_verify", 1, 3), ("target_verify", 1, 1)]
+)
+def test_narrow_linear_sends_large_weights_on_2_to_4_rows_to_the_kernel(
+    model, state, kind, b, k, monkeypatch
+):
     """With every weight counted large, linears of 2-4 rows become compiled_mtp::few_row_linear and
     those of 1 row (draft_extend's LM head) Inductor's multiply-and-sum."""
     monkeypatch.setattr(narrow_linear, "KERNEL_WEIGHT", 0)
     before, after = _graphs(kind, b, k, model, state, ("narrow_linear",))
-    rows = [n.args[-2].meta["val"].shape[0] for n in before.graph.nodes if n.target in (aten.mm.default, aten.addmm.default)]
+    rows = [
+        n.args[-2].meta["val"].shape[0]
+        for n in before.graph.nodes
+        if n.target in (aten.mm.default, aten.addmm.default)
+    ]
     assert _count(after, FEW_ROWS) == sum(2 <= r <= 4 for r in rows) > 0
     assert _linear_weights(after) == []
     _assert_same(before, after, state, model, kind, b, k, exact=False)
 
 
-@pytest.mark.parametrize("kind,b,k,layers", [("target_verify", 1, 3, 1), ("draft_extend", 2, 2, 1), ("draft_decode", 2, 3, 2), ("prefill", 1, 0, 2)])
+@pytest.mark.parametrize(
+    "kind,b,k,layers",
+    [("target_verify", 1, 3, 1), ("draft_extend", 2, 2, 1), ("draft_decode", 2, 3, 2), ("prefill", 1, 0, 2)],
+)
 def test_group_experts_replaces_each_moe_layers_gathered_products(model, state, kind, b, k, layers):
     """One op per MoE layer run by the graph (the tiny target has one, M's layer runs once per draft
     step and once in prefill); each replaces the three weight gathers and their products."""
@@ -277,13 +356,25 @@ def test_group_experts_leaves_a_layer_the_op_does_not_reproduce(model, state, mo
     _replace_op(monkeypatch, "group_experts", lambda x, *args: torch.zeros_like(x))
     before, after = _graphs("target_verify", 1, 1, model, state, ("group_experts",))
     assert len(after.graph.nodes) == len(before.graph.nodes)
-    assert "group_experts: left as traced: the op reproduces the region on 0%, 0% of the probes under the 2 assignments of its inputs, expected exactly one at 100% or more" in caplog.text
+    assert (
+        "group_experts: left as traced: the op reproduces the region on 0%, 0% of the probes "
+        "under the 2 assignments of its inputs, expected exactly one at 100% or more"
+    ) in caplog.text
 
 
 DENSE_MLP = torch.ops.compiled_mtp.dense_mlp.default
 
 
-@pytest.mark.parametrize("kind,b,k,calls", [("target_verify", 1, 3, 1), ("target_verify", 2, 1, 1), ("draft_extend", 1, 2, 0), ("target_verify", 1, 0, 0), ("prefill", 1, 0, 0)])
+@pytest.mark.parametrize(
+    "kind,b,k,calls",
+    [
+        ("target_verify", 1, 3, 1),
+        ("target_verify", 2, 1, 1),
+        ("draft_extend", 1, 2, 0),
+        ("target_verify", 1, 0, 0),
+        ("prefill", 1, 0, 0),
+    ],
+)
 def test_fuse_dense_mlp_takes_each_dense_mlp_on_2_to_4_rows(model, state, kind, b, k, calls):
     """The tiny target's one dense layer becomes one op when its verify has 2-4 rows; M's layer is
     MoE, one row or a prefill chunk of 8 stay as traced. The same outputs and state as without it."""
@@ -297,15 +388,24 @@ def test_dense_mlp_that_disagrees_with_the_op_stays(model, state, monkeypatch, c
     _replace_op(monkeypatch, "fuse_dense_mlp", lambda x, *args: torch.zeros_like(x))
     before, after = _graphs("target_verify", 1, 3, model, state, ("fuse_dense_mlp",))
     assert _count(after, DENSE_MLP) == 0 and len(after.graph.nodes) == len(before.graph.nodes)
-    assert "fuse_dense_mlp: left as traced: the op reproduces the region on 0%, 0% of the probes" in caplog.text
+    assert (
+        "fuse_dense_mlp: left as traced: the op reproduces the region on 0%, 0% of the probes" in caplog.text
+    )
 
 
 def _cache_gathers(graph, capacity):
     """Gathers of whole cache rows by slot: index nodes producing [B, capacity, D]."""
-    return [n for n in graph.graph.nodes if n.target is aten.index.Tensor and n.meta["val"].dim() == 3 and n.meta["val"].shape[1] == capacity]
+    return [
+        n
+        for n in graph.graph.nodes
+        if n.target is aten.index.Tensor and n.meta["val"].dim() == 3 and n.meta["val"].shape[1] == capacity
+    ]
 
 
-@pytest.mark.parametrize("kind,b,k,calls", [("target_verify", 2, 2, 2), ("draft_decode", 2, 3, 2), ("draft_extend", 1, 1, 1), ("prefill", 1, 0, 3)])
+@pytest.mark.parametrize(
+    "kind,b,k,calls",
+    [("target_verify", 2, 2, 2), ("draft_decode", 2, 3, 2), ("draft_extend", 1, 1, 1), ("prefill", 1, 0, 3)],
+)
 def test_attention_reads_only_the_live_cache(model, state, kind, b, k, calls):
     """One op per attention call (each target layer, each MTP step), no gather of whole cache rows
     left; the same outputs and state as without the pass, from caches filled with random entries
@@ -321,7 +421,10 @@ def test_attention_the_op_does_not_reproduce_stays(model, state, monkeypatch, ca
     with caplog.at_level("WARNING", logger="compiled_mtp.passes"):
         _, after = _graphs("draft_extend", 1, 1, model, state, ("live_attention",))
     assert _count(after, LIVE_ATTENTION) == 0 and len(_cache_gathers(after, state.max_seq_len)) == 1
-    assert "live_attention: left as traced: the op reproduces the region on 0%, 0% of the probes under the 2 assignments of its inputs, expected exactly one at 100% or more" in caplog.text
+    assert (
+        "live_attention: left as traced: the op reproduces the region on 0%, 0% of the probes "
+        "under the 2 assignments of its inputs, expected exactly one at 100% or more"
+    ) in caplog.text
 
 
 def test_one_agreeing_takes_only_a_single_agreeing_assignment():
@@ -333,15 +436,31 @@ def test_one_agreeing_takes_only_a_single_agreeing_assignment():
     x, y = torch.tensor([5.0]), torch.tensor([2.0])
 
     def pick(op):
-        return one_agreeing([a, b], [out], [[a, b], [b, a]], lambda region, args: float(torch.equal(region(args, [x, y])[0], op(x, y))))
+        return one_agreeing(
+            [a, b],
+            [out],
+            [[a, b], [b, a]],
+            lambda region, args: float(torch.equal(region(args, [x, y])[0], op(x, y))),
+        )
 
     assert pick(torch.sub) == [a, b]
-    with pytest.raises(Unfusable, match=r"^the op reproduces the region on 0%, 0% of the probes under the 2 assignments of its inputs, expected exactly one at 100% or more$"):
+    with pytest.raises(
+        Unfusable,
+        match=r"^the op reproduces the region on 0%, 0% of the probes under the 2 assignments of its inputs, "
+        r"expected exactly one at 100% or more$",
+    ):
         pick(torch.add)
-    with pytest.raises(Unfusable, match=r"^the op reproduces the region on 100%, 100% of the probes under the 2 assignments"):
+    with pytest.raises(
+        Unfusable, match=r"^the op reproduces the region on 100%, 100% of the probes under the 2 assignments"
+    ):
         one_agreeing([a, b], [out], [[a, b], [a, b]], lambda region, args: 1.0)
     with pytest.raises(Unfusable, match=r"^the region does not run on probe inputs \(RuntimeError: "):
-        one_agreeing([a, b], [out], [[a, b]], lambda region, args: float(region(args, [torch.ones(2), torch.ones(3)])[0].sum()))
+        one_agreeing(
+            [a, b],
+            [out],
+            [[a, b]],
+            lambda region, args: float(region(args, [torch.ones(2), torch.ones(3)])[0].sum()),
+        )
 
 
 def _inner(x):
@@ -360,10 +479,13 @@ class _FindInner(CustomGraphPass):
     """Records the calls of `_inner` that `calls_of` finds in the post-grad graph (their nodes'
     targets, and the nodes they read), then ends the compile."""
 
-    found: list = []
+    found: ClassVar[list] = []
 
     def __call__(self, graph):
-        _FindInner.found = [(sorted(str(n.target) for n in nodes), len(inputs)) for nodes, inputs, _ in calls_of(graph, _inner)]
+        _FindInner.found = [
+            (sorted(str(n.target) for n in nodes), len(inputs))
+            for nodes, inputs, _ in calls_of(graph, _inner)
+        ]
         raise _Stop
 
     def uuid(self):
@@ -382,9 +504,17 @@ def test_provenance_reaches_the_post_grad_graph(capture, tmp_path):
         if capture == "torch.compile":
             torch.compile(_outer, backend="inductor", options=options, fullgraph=True)(x, y)
         else:
-            ep = torch.export.export(_Module(), (x, y), strict=True)  # as captures export: non-strict keeps only forward frames
-            torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "graph.pt2"), inductor_configs=options)
-    assert isinstance(stopped.value, _Stop) or isinstance(stopped.value.__cause__, _Stop) or "_Stop" in str(stopped.value)
+            ep = torch.export.export(
+                _Module(), (x, y), strict=True
+            )  # as captures export: non-strict keeps only forward frames
+            torch._inductor.aoti_compile_and_package(
+                ep, package_path=str(tmp_path / "graph.pt2"), inductor_configs=options
+            )
+    assert (
+        isinstance(stopped.value, _Stop)
+        or isinstance(stopped.value.__cause__, _Stop)
+        or "_Stop" in str(stopped.value)
+    )
     assert _FindInner.found == [(["aten.add.Tensor", "aten.cos.default", "aten.sin.default"], 1)] * 2
 
 
@@ -394,8 +524,21 @@ class _Module(torch.nn.Module):
 
 
 def test_switches_and_uuids():
-    assert set(ALL) == {"fuse_verify_sampling", "fuse_draft_sampling", "live_attention", "group_experts", "fuse_dense_mlp", "narrow_linear", "packed_linear", "fold_key_constants"}
-    uuids = {PassManager(tuple(subset)).uuid() for n in range(len(ALL) + 1) for subset in __import__("itertools").combinations(ALL, n)}
+    assert set(ALL) == {
+        "fuse_verify_sampling",
+        "fuse_draft_sampling",
+        "live_attention",
+        "group_experts",
+        "fuse_dense_mlp",
+        "narrow_linear",
+        "packed_linear",
+        "fold_key_constants",
+    }
+    uuids = {
+        PassManager(tuple(subset)).uuid()
+        for n in range(len(ALL) + 1)
+        for subset in __import__("itertools").combinations(ALL, n)
+    }
     assert len(uuids) == 2 ** len(ALL)  # every pass set keys its own cache entries
     assert PassManager(ALL).uuid() == PassManager(tuple(reversed(ALL))).uuid()  # run order is the registry's
     assert inductor_options(())["post_grad_custom_post_pass"].enabled == ()
@@ -408,8 +551,24 @@ def test_command_line_switch(capsys):
 
     from compiled_mtp.cli import _engine_options, main
 
-    args = argparse.Namespace(max_seq_len=None, dtype=None, device=None, draft_vocab=None, backend="inductor", cache_dir=None, disable_pass=["packed_linear"])
-    assert _engine_options(args, None)["passes"] == ("fold_key_constants", "fuse_dense_mlp", "fuse_draft_sampling", "fuse_verify_sampling", "group_experts", "live_attention", "narrow_linear")
+    args = argparse.Namespace(
+        max_seq_len=None,
+        dtype=None,
+        device=None,
+        draft_vocab=None,
+        backend="inductor",
+        cache_dir=None,
+        disable_pass=["packed_linear"],
+    )
+    assert _engine_options(args, None)["passes"] == (
+        "fold_key_constants",
+        "fuse_dense_mlp",
+        "fuse_draft_sampling",
+        "fuse_verify_sampling",
+        "group_experts",
+        "live_attention",
+        "narrow_linear",
+    )
     with pytest.raises(SystemExit):
         main(["generate", "hello", "--disable-pass", "fuse_everything"])
     assert "invalid choice: 'fuse_everything'" in capsys.readouterr().err

@@ -17,7 +17,9 @@ from compiled_mtp.graphs.plan import PREFILL, GraphKey, example_inputs, graph_ke
 from compiled_mtp.models.checkpoint import load_model
 
 CHUNK = 8
-PARAMS = SamplingParams(max_new_tokens=16, ignore_eos=True)  # outlives a prefill and a step at each depth: 1 + 1 + 2 + 3 + 4 tokens at most
+PARAMS = SamplingParams(
+    max_new_tokens=16, ignore_eos=True
+)  # outlives a prefill and a step at each depth: 1 + 1 + 2 + 3 + 4 tokens at most
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +60,21 @@ def test_runtime_runs_the_plan_and_graph_keys_lists_it(echo, buckets, depths, se
 
 
 def _run_plan(model, buckets: list[int], depths: list[int], seed: int) -> None:
-    rt = Runtime(model, mtp_depth=depths[0], mtp_depths=depths, batch_sizes=buckets, max_seq_len=64, prefill_chunk=CHUNK, compile_backend="eager")
+    rt = Runtime(
+        model,
+        mtp_depth=depths[0],
+        mtp_depths=depths,
+        batch_sizes=buckets,
+        max_seq_len=64,
+        prefill_chunk=CHUNK,
+        compile_backend="eager",
+    )
     gen = torch.Generator().manual_seed(seed)
     for b in buckets:
-        ids = [rt.add_request(torch.randint(model.cfg.vocab_size, (CHUNK,), generator=gen).tolist(), PARAMS) for _ in range(b)]
+        ids = [
+            rt.add_request(torch.randint(model.cfg.vocab_size, (CHUNK,), generator=gen).tolist(), PARAMS)
+            for _ in range(b)
+        ]
         expected = Counter({PREFILL: b})  # the first step admits them
         previous = None
         for k in depths:

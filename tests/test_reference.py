@@ -59,7 +59,6 @@ def test_k1_accepted_counts_equal_hf_mtp(tmp_path, mtp_noise):
             assert 0 < sum(accepted) < len(accepted)
 
 
-
 def _starts(accepted: list[int]) -> list[int]:
     """The generated-token index each step's drafts start at (token 0 is prefill's)."""
     starts = [1]

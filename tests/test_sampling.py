@@ -152,8 +152,9 @@ def test_processed_probs_top_p_edges():
 def sparse_rows(draw):
     vocab = draw(st.integers(1, 10))
     weights = draw(
-        st.lists(st.one_of(st.just(0.0), st.floats(2.0**-20, 1.0, width=32)), min_size=vocab, max_size=vocab)
-        .filter(lambda w: any(x > 0 for x in w))
+        st.lists(
+            st.one_of(st.just(0.0), st.floats(2.0**-20, 1.0, width=32)), min_size=vocab, max_size=vocab
+        ).filter(lambda w: any(x > 0 for x in w))
     )
     return torch.tensor(weights, dtype=torch.float32)
 
@@ -195,10 +196,8 @@ def speculative_batches(draw):
     generator = torch.Generator().manual_seed(draw(st.integers(0, 2**32 - 1)))
     zero_fraction = draw(st.sampled_from([0.0, 0.5]))
     p = random_probs((batch, k + 1, vocab), generator, zero_fraction)
-    if draw(st.booleans()):
-        q = random_probs((batch, k, vocab), generator, zero_fraction)
-    else:  # drafts that agree with the target often
-        q = p[:, :k].clone()
+    # q is either drawn on its own or a copy of p's rows, for drafts that agree with the target often
+    q = random_probs((batch, k, vocab), generator, zero_fraction) if draw(st.booleans()) else p[:, :k].clone()
     if draw(st.booleans()):
         drafts = draft_from(q, generator)
     else:  # padded rows may carry drafts outside q's support
@@ -255,10 +254,14 @@ def test_rejection_sample_greedy_is_exact(batch, k, vocab, seed):
     draft_logits = torch.randint(0, 3, (batch, k, vocab), generator=generator).float()
     zeros = torch.zeros(batch, dtype=torch.int64)
     ones = torch.ones(batch)
-    p = processed_probs(target_logits, torch.zeros(batch, k + 1), zeros.new_zeros(batch, k + 1), torch.ones(batch, k + 1))
+    p = processed_probs(
+        target_logits, torch.zeros(batch, k + 1), zeros.new_zeros(batch, k + 1), torch.ones(batch, k + 1)
+    )
     drafts, q = [], []
     for i in range(k):
-        d, q_i = draft_sample(draft_logits[:, i], torch.zeros(batch), zeros, ones, torch.rand(batch, generator=generator))
+        d, q_i = draft_sample(
+            draft_logits[:, i], torch.zeros(batch), zeros, ones, torch.rand(batch, generator=generator)
+        )
         drafts.append(d)
         q.append(q_i)
     drafts = torch.stack(drafts, 1) if k else zeros.new_zeros(batch, 0)
@@ -419,7 +422,11 @@ def verify_cases(draw):
         logits = logits.round()  # exact ties
     params = draw(
         st.lists(
-            st.tuples(st.sampled_from([0.0, 0.5, 1.0, 2.0]), st.integers(0, vocab + 1), st.sampled_from([1.0, 0.9, 0.5, 0.05])),
+            st.tuples(
+                st.sampled_from([0.0, 0.5, 1.0, 2.0]),
+                st.integers(0, vocab + 1),
+                st.sampled_from([1.0, 0.9, 0.5, 0.05]),
+            ),
             min_size=batch,
             max_size=batch,
         )
@@ -438,9 +445,13 @@ def drafts_and_noise(draw, logits: torch.Tensor, gen: torch.Generator, agree: fl
     if draw(st.booleans()):
         q = torch.zeros_like(q).scatter(-1, q.argmax(-1, keepdim=True), 1.0)
     drafts = torch.where(
-        torch.rand(batch, k, generator=gen) < agree, logits[:, :k].argmax(-1), torch.randint(0, vocab, (batch, k), generator=gen)
+        torch.rand(batch, k, generator=gen) < agree,
+        logits[:, :k].argmax(-1),
+        torch.randint(0, vocab, (batch, k), generator=gen),
     )
-    noise = torch.tensor(draw(st.lists(uniforms, min_size=batch * rows, max_size=batch * rows))).view(batch, rows)
+    noise = torch.tensor(draw(st.lists(uniforms, min_size=batch * rows, max_size=batch * rows))).view(
+        batch, rows
+    )
     return drafts, q, noise
 
 
@@ -493,7 +504,11 @@ def greedy_cases(draw):
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
     logits = torch.randn(batch, k + 1, vocab, generator=gen)
     rows = logits.view(-1, vocab)
-    specials = st.tuples(st.integers(0, len(rows) - 1), st.integers(0, vocab - 1), st.sampled_from(["tie", "nan", "inf", "-inf", "-inf row"]))
+    specials = st.tuples(
+        st.integers(0, len(rows) - 1),
+        st.integers(0, vocab - 1),
+        st.sampled_from(["tie", "nan", "inf", "-inf", "-inf row"]),
+    )
     for row, at, kind in draw(st.lists(specials, max_size=6)):
         if kind == "-inf row":
             rows[row] = -math.inf
@@ -540,7 +555,12 @@ def test_greedy_path_leaves_sampled_batches_and_other_dtypes_to_the_general_path
     from compiled_mtp.ops.greedy_sample import greedy_verify
 
     gen = torch.Generator().manual_seed(0)
-    logits, drafts, q, noise = torch.randn(2, 3, 50, generator=gen), torch.zeros(2, 2, dtype=torch.long), torch.rand(2, 2, 50, generator=gen), torch.rand(2, 3, generator=gen)
+    logits, drafts, q, noise = (
+        torch.randn(2, 3, 50, generator=gen),
+        torch.zeros(2, 2, dtype=torch.long),
+        torch.rand(2, 2, 50, generator=gen),
+        torch.rand(2, 3, generator=gen),
+    )
     assert greedy_verify(logits, torch.tensor([0.0, 0.7]), drafts, q, noise) is None
     assert greedy_verify(logits.bfloat16(), torch.zeros(2), drafts, q, noise) is None
     assert greedy_verify(logits, torch.zeros(2), drafts, q, noise) is not None

@@ -22,7 +22,9 @@ def _on_device(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(t.to(DEVICE) for t in tensors)
 
 
-def _commits_within_rounding(case: tuple[torch.Tensor, ...], request: int, accepted: torch.Tensor, tokens: torch.Tensor) -> bool:
+def _commits_within_rounding(
+    case: tuple[torch.Tensor, ...], request: int, accepted: torch.Tensor, tokens: torch.Tensor
+) -> bool:
     """Whether the definition commits (accepted, tokens) for `request` with its uniforms moved by at most NUDGE."""
     one = tuple(t[request : request + 1] for t in case)
     noise = one[-1]
@@ -35,7 +37,10 @@ def _commits_within_rounding(case: tuple[torch.Tensor, ...], request: int, accep
 
 
 def _assert_same_tokens(case: tuple[torch.Tensor, ...]) -> None:
-    expected, got = verify_sample(*case), tuple(t.cpu() for t in kernel.verify_sample_triton(*_on_device(*case)))
+    expected, got = (
+        verify_sample(*case),
+        tuple(t.cpu() for t in kernel.verify_sample_triton(*_on_device(*case))),
+    )
     temperature = case[1]
     for b in range(len(temperature)):
         if expected[0][b] == got[0][b] and torch.equal(expected[1][b], got[1][b]):
@@ -58,10 +63,22 @@ def test_triton_kernel_over_several_blocks():
     for trial in range(3):
         logits = torch.randn(batch, k + 1, vocab, generator=gen) * (1.0 + 3 * trial)
         q = torch.softmax(torch.randn(batch, k, vocab, generator=gen) * 3, dim=-1)
-        drafts = torch.where(torch.rand(batch, k, generator=gen) < 0.5, logits[:, :k].argmax(-1), torch.randint(0, vocab, (batch, k), generator=gen))
+        drafts = torch.where(
+            torch.rand(batch, k, generator=gen) < 0.5,
+            logits[:, :k].argmax(-1),
+            torch.randint(0, vocab, (batch, k), generator=gen),
+        )
         temperature = torch.tensor([1.0, 0.5, 2.0, 1.0, 0.0, 1.0])
         top_p = torch.tensor([1.0, 1.0, 1.0, 0.9, 1.0, 1.0])
-        case = (logits, temperature, torch.zeros(batch, dtype=torch.long), top_p, drafts, q, torch.rand(batch, k + 1, generator=gen))
+        case = (
+            logits,
+            temperature,
+            torch.zeros(batch, dtype=torch.long),
+            top_p,
+            drafts,
+            q,
+            torch.rand(batch, k + 1, generator=gen),
+        )
         _assert_same_tokens(case)
 
 
@@ -87,7 +104,15 @@ def test_triton_kernel_residual_draw_after_rejections():
     drafts = q.argmax(-1)
     final_u = torch.where(torch.arange(batch) % 2 == 0, 0.0, torch.rand(batch, generator=gen))
     noise = torch.cat([torch.full((batch, k), 1.0 - 2.0**-24), final_u[:, None]], dim=1)
-    case = (logits, torch.ones(batch), torch.zeros(batch, dtype=torch.long), torch.ones(batch), drafts, q, noise)
+    case = (
+        logits,
+        torch.ones(batch),
+        torch.zeros(batch, dtype=torch.long),
+        torch.ones(batch),
+        drafts,
+        q,
+        noise,
+    )
     assert (verify_sample(*case)[0] == 0).sum() >= batch // 2  # most drafts rejected
     _assert_same_tokens(case)
 
@@ -99,12 +124,15 @@ from triton.compiler import ASTSource
 from compiled_mtp.ops import verify_sample_triton as k
 
 ptrs = lambda *names: {name: "*fp32" for name in names}
+stats = ptrs("logits_ptr", "temperature_ptr", "max_ptr", "sum_ptr")
 kernels = [
-    (k._row_stats, {**ptrs("logits_ptr", "temperature_ptr", "max_ptr", "sum_ptr"), "vocab": "i32", "ROWS": "constexpr", "BLOCK": "constexpr"}, {"ROWS": 4, "BLOCK": k.BLOCK}),
-    (k._final_draw, {**ptrs("logits_ptr", "temperature_ptr", "max_ptr", "sum_ptr", "q_ptr", "u_ptr"), "out_ptr": "*i64", "vocab": "i32", "BLOCK": "constexpr"}, {"BLOCK": k.BLOCK}),
+    (k._row_stats, {**stats, "vocab": "i32", "ROWS": "constexpr", "BLOCK": "constexpr"}, {"ROWS": 4, "BLOCK": k.BLOCK}),
+    (k._final_draw, {**stats, **ptrs("q_ptr", "u_ptr"), "out_ptr": "*i64", "vocab": "i32", "BLOCK": "constexpr"},
+     {"BLOCK": k.BLOCK}),
 ]
 for fn, signature, constexprs in kernels:
-    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32))
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
     print(fn.fn.__name__, len(compiled.asm["cubin"]))
 """
 
@@ -119,7 +147,9 @@ def test_triton_kernels_compile_for_h100():
 
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    done = subprocess.run([sys.executable, "-c", COMPILE_FOR_H100], env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", COMPILE_FOR_H100], env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     built = dict(line.split() for line in done.stdout.splitlines())
     assert set(built) == {"_row_stats", "_final_draw"} and all(int(size) > 0 for size in built.values())

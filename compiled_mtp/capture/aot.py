@@ -19,9 +19,10 @@ import io
 import platform
 import warnings
 import zipfile
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -31,7 +32,8 @@ from torch.export.pt2_archive._package import AOTICompiledModel
 from ..graphs.plan import GraphKey, GraphKind
 from ..graphs.state import StaticState
 from ..models.family import CausalLM
-from ..passes.fold_key_constants import PREFIX as FOLDED_PREFIX, folded_name, folded_value
+from ..passes.fold_key_constants import PREFIX as FOLDED_PREFIX
+from ..passes.fold_key_constants import folded_name, folded_value
 
 # Inductor settings every artifact needs. Without `always_keep_tensor_constants`, Inductor copies
 # 1-D constants of <= 8 elements into the code (the router's correction bias of a small model, the
@@ -67,11 +69,15 @@ class StepModule(nn.Module):
 def constants(model: CausalLM, state: StaticState) -> dict[str, Tensor]:
     """Every tensor a step graph may hold as a constant, by its name inside StepModule (any kind's)."""
     module = StepModule(GraphKind.prefill, model, state)
-    named = list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False))
+    named = list(module.named_parameters(remove_duplicate=False)) + list(
+        module.named_buffers(remove_duplicate=False)
+    )
     return {name: tensor.detach() for name, tensor in named}
 
 
-def artifact_key(key: GraphKey, model: CausalLM, state: StaticState, inputs: tuple[Tensor, ...], options: dict[str, Any]) -> dict[str, Any]:
+def artifact_key(
+    key: GraphKey, model: CausalLM, state: StaticState, inputs: tuple[Tensor, ...], options: dict[str, Any]
+) -> dict[str, Any]:
     """Everything that changes a graph's code, as JSON. Not in it: the checkpoint's path and weight
     values. `prefill_chunk` enters through the inputs' shapes."""
     config = asdict(model.cfg)
@@ -85,9 +91,16 @@ def artifact_key(key: GraphKey, model: CausalLM, state: StaticState, inputs: tup
         "model_config": config,
         "dtype": str(model.lm_head.weight.dtype).removeprefix("torch."),
         "device": state.target_cache.device.type,
-        "state": {"num_slots": state.num_slots, "max_seq_len": state.max_seq_len, "max_depth": state.draft_probs.shape[1]},
+        "state": {
+            "num_slots": state.num_slots,
+            "max_seq_len": state.max_seq_len,
+            "max_depth": state.draft_probs.shape[1],
+        },
         "constants": _layout_digest(constants(model, state)),
-        "inductor": {name: value.uuid() if isinstance(value, CustomGraphPass) else repr(value) for name, value in sorted(options.items())},
+        "inductor": {
+            name: value.uuid() if isinstance(value, CustomGraphPass) else repr(value)
+            for name, value in sorted(options.items())
+        },
         **environment(state.target_cache.device),
     }
 
@@ -140,7 +153,14 @@ def _layout_digest(tensors: dict[str, Tensor]) -> str:
     return hashlib.sha256(layout.encode()).hexdigest()[:16]
 
 
-def build(kind: GraphKind, model: CausalLM, state: StaticState, inputs: tuple[Tensor, ...], package: Path, options: dict[str, Any]) -> None:
+def build(
+    kind: GraphKind,
+    model: CausalLM,
+    state: StaticState,
+    inputs: tuple[Tensor, ...],
+    package: Path,
+    options: dict[str, Any],
+) -> None:
     """Export the step with `inputs` as example step tensors and compile it into `package` (.pt2).
 
     The live tensors are only traced with fake copies, so building leaves the model and state as they were."""
@@ -160,7 +180,9 @@ def build(kind: GraphKind, model: CausalLM, state: StaticState, inputs: tuple[Te
         )
 
 
-def export_step(kind: GraphKind, model: CausalLM, state: StaticState, inputs: tuple[Tensor, ...]) -> torch.export.ExportedProgram:
+def export_step(
+    kind: GraphKind, model: CausalLM, state: StaticState, inputs: tuple[Tensor, ...]
+) -> torch.export.ExportedProgram:
     # strict: Dynamo's trace keeps each node's full source stack, which the fusion pass reads
     return torch.export.export(StepModule(kind, model, state), tuple(inputs), strict=True)
 
@@ -169,7 +191,9 @@ def compile_package(ep: torch.export.ExportedProgram, package: Path, options: di
     """AOTInductor-compile `ep` into `package` with `options` and the settings every artifact needs."""
     with warnings.catch_warnings():  # torch 2.13's packager trips its own pytree deprecation warning
         warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)
-        torch._inductor.aoti_compile_and_package(ep, package_path=str(package), inductor_configs={**options, **AOT_OPTIONS})
+        torch._inductor.aoti_compile_and_package(
+            ep, package_path=str(package), inductor_configs={**options, **AOT_OPTIONS}
+        )
 
 
 def _store_folded(package: Path, constant_names: list[str]) -> None:
@@ -203,7 +227,11 @@ def _used_constants(ep: torch.export.ExportedProgram) -> set[str]:
     """Names of the parameters and buffers the exported graph reads or writes."""
     sig = ep.graph_signature
     names = {**sig.inputs_to_parameters, **sig.inputs_to_buffers}
-    return {names[node.name] for node in ep.graph.find_nodes(op="placeholder") if node.name in names and node.users}
+    return {
+        names[node.name]
+        for node in ep.graph.find_nodes(op="placeholder")
+        if node.name in names and node.users
+    }
 
 
 def load(package: Path, model: CausalLM, state: StaticState) -> Callable[..., Any]:

@@ -41,7 +41,9 @@ class Artifact:
 
     name: str  # e.g. "target_verify/B1/K3"
     model: str  # e.g. "61L H7168 bfloat16 cuda"
-    settings: str  # what tells apart keys of one model and name, e.g. "seq 512, 4 slots, K<=3, passes 1a2b3c4d"
+    settings: (
+        str  # what tells apart keys of one model and name, e.g. "seq 512, 4 slots, K<=3, passes 1a2b3c4d"
+    )
     file: str
     size: int
     created: str
@@ -63,7 +65,11 @@ class GraphCache:
             locks.mkdir(parents=True, exist_ok=True)
         except (FileExistsError, NotADirectoryError):
             file = next(d for d in (locks, self.root, *self.root.parents) if d.exists())
-            raise ValueError(f"cache_dir: {self.root} is not a directory" if file == self.root else f"cache_dir: {self.root}: {file} is not a directory") from None
+            raise ValueError(
+                f"cache_dir: {self.root} is not a directory"
+                if file == self.root
+                else f"cache_dir: {self.root}: {file} is not a directory"
+            ) from None
         except OSError as e:
             return f"cannot create {locks} ({e.strerror})"
         if not all(os.access(d, os.W_OK | os.X_OK) for d in (self.root, locks)):
@@ -102,7 +108,9 @@ class GraphCache:
         meta, why = _read_meta(meta_path)
         if meta is None:
             return f"corrupt ({why})"
-        changed = [name for name in sorted(set(key) | set(meta["key"])) if key.get(name) != meta["key"].get(name)]
+        changed = [
+            name for name in sorted(set(key) | set(meta["key"])) if key.get(name) != meta["key"].get(name)
+        ]
         if changed:
             return f"stale ({_describe(changed, meta['key'], key)})"
         return _integrity(package, meta)
@@ -138,26 +146,50 @@ class GraphCache:
         for package in sorted(self.root.glob("[!.]*.pt2")):
             meta, why = _read_meta(package.with_suffix(".json"))
             if meta is None:
-                found.append(Artifact(package.stem, "?", "?", package.name, package.stat().st_size, "?", "?", f"corrupt ({why})"))
+                found.append(
+                    Artifact(
+                        package.stem,
+                        "?",
+                        "?",
+                        package.name,
+                        package.stat().st_size,
+                        "?",
+                        "?",
+                        f"corrupt ({why})",
+                    )
+                )
                 continue
             key, here = meta["key"], environment(meta["key"].get("device", "cpu"))
             changed = [name for name in here if key.get(name) != here[name]]
             status = _integrity(package, meta) or "valid"
             if changed and status == "valid":
                 status = f"stale ({_describe(changed, key, here)})"
-            found.append(Artifact(meta["name"], _model(key), _settings(key), package.name, package.stat().st_size, meta["created"], key.get("torch", "?"), status))
+            found.append(
+                Artifact(
+                    meta["name"],
+                    _model(key),
+                    _settings(key),
+                    package.name,
+                    package.stat().st_size,
+                    meta["created"],
+                    key.get("torch", "?"),
+                    status,
+                )
+            )
         return found
 
 
 def _model(key: dict[str, Any]) -> str:
     config = key.get("model_config") or {}
-    return f"{config.get('num_hidden_layers', '?')}L H{config.get('hidden_size', '?')} {key.get('dtype', '?')} {key.get('device', '?')}"
+    layers, hidden = config.get("num_hidden_layers", "?"), config.get("hidden_size", "?")
+    return f"{layers}L H{hidden} {key.get('dtype', '?')} {key.get('device', '?')}"
 
 
 def _settings(key: dict[str, Any]) -> str:
     state = key.get("state") or {}
     passes = (key.get("inductor") or {}).get("post_grad_custom_post_pass", "?")
-    return f"seq {state.get('max_seq_len', '?')}, {state.get('num_slots', '?')} slots, K<={state.get('max_depth', '?')}, passes {passes[:8]}"
+    seq, slots, depth = (state.get(name, "?") for name in ("max_seq_len", "num_slots", "max_depth"))
+    return f"seq {seq}, {slots} slots, K<={depth}, passes {passes[:8]}"
 
 
 def _read_meta(path: Path) -> tuple[dict[str, Any] | None, str]:

@@ -18,8 +18,9 @@ import logging
 import time
 import types
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
+from typing import Any
 
 import torch
 
@@ -35,7 +36,8 @@ from .cache import MISSING, GraphCache
 BACKENDS = ("inductor", "aot_eager", "eager")
 log = logging.getLogger("compiled_mtp.capture")
 # Graph builds take tens of seconds each: say which graph is being built, how long it took and how
-# many are still to come, on stderr by default. Opt out: logging.getLogger("compiled_mtp.progress").setLevel(logging.WARNING).
+# many are still to come, on stderr by default.
+# Opt out: logging.getLogger("compiled_mtp.progress").setLevel(logging.WARNING).
 progress = logging.getLogger("compiled_mtp.progress")
 if not progress.handlers:
     _handler = logging.StreamHandler()
@@ -82,7 +84,10 @@ class CompiledGraphs:
             raise ValueError(f"compile_backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
         self.cuda_graphs = backend == "inductor" and state.target_cache.is_cuda  # Inductor replays them
         if cache_dir is not None and self.cuda_graphs:
-            raise ValueError(f"cache_dir: {aot.CPU_ONLY}; leave it unset on CUDA, where graphs compile in the process and replay as CUDA graphs")
+            raise ValueError(
+                f"cache_dir: {aot.CPU_ONLY}; leave it unset on CUDA, "
+                "where graphs compile in the process and replay as CUDA graphs"
+            )
         self.model = model
         self.state = state
         self.backend = backend
@@ -109,7 +114,7 @@ class CompiledGraphs:
         if self.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
 
-    def __call__(self, key: GraphKey, *inputs: torch.Tensor):
+    def __call__(self, key: GraphKey, *inputs: torch.Tensor) -> Any:  # what the step returns
         graph = self._graphs.get(key)
         start = time.perf_counter()
         if graph is None:
@@ -119,7 +124,13 @@ class CompiledGraphs:
             out = self.prepare(key, inputs)(*inputs)
             if self.compiles > compiles:
                 left = len(set(self.keys) - set(self._graphs))
-                progress.info("built %s in %.1f s; %d of %d graphs left", key.name, time.perf_counter() - start, left, len(self.keys))
+                progress.info(
+                    "built %s in %.1f s; %d of %d graphs left",
+                    key.name,
+                    time.perf_counter() - start,
+                    left,
+                    len(self.keys),
+                )
         else:
             frames = _compiled_frames()
             with torch.compiler.set_stance("fail_on_recompile"):
@@ -140,7 +151,9 @@ class CompiledGraphs:
 
     def _building(self, key: GraphKey) -> None:
         where = f"into {self.cache.root}" if self.cache else "in this process"
-        progress.info("building %s %s (%d of %d graphs ready)", key.name, where, len(self._graphs), len(self.keys))
+        progress.info(
+            "building %s %s (%d of %d graphs ready)", key.name, where, len(self._graphs), len(self.keys)
+        )
 
     def _build(self, key: GraphKey) -> Callable:
         if self.backend == "eager":
@@ -151,7 +164,7 @@ class CompiledGraphs:
         # packs copies of the weights; a cached package holds no guards at all), so Dynamo's guards on
         # their modules only cost time: 0.3 ms of a 2.0-2.3 ms verify of the shipped model. The guards
         # on the step tensors stay, and a step tensor of another shape or dtype still fails loudly.
-        options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+        options: dict[str, Any] = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
         if self.backend != "inductor":
             compiled = torch.compile(fn, backend=self.backend, fullgraph=True, dynamic=False, options=options)
         else:
@@ -162,21 +175,30 @@ class CompiledGraphs:
     def _cached(self, key: GraphKey, inputs: tuple[torch.Tensor, ...]) -> Callable:
         """Load the key's package; build and store it first when it is missing or unusable. A bad
         package costs a rebuild and one log line, never a crash or a wrong graph."""
+        cache = self.cache
+        assert cache is not None  # prepare() comes here only with a cache
         akey = aot.artifact_key(key, self.model, self.state, inputs, self.inductor_options)
-        with self.cache.locked(akey):  # another process may be building this key: wait for it
-            problem = self.cache.problem(akey)
+        with cache.locked(akey):  # another process may be building this key: wait for it
+            problem = cache.problem(akey)
             if problem is None:
                 try:
-                    graph = aot.load(self.cache.package(akey), self.model, self.state)
+                    graph = aot.load(cache.package(akey), self.model, self.state)
                 except Exception as e:  # checksum intact but unloadable: treat like any corrupt file
                     problem = f"corrupt (cannot load: {_first_line(e)})"
                 else:
                     self.loads += 1
                     return graph
             if problem != MISSING:
-                log.warning("capture cache: %s at %s is %s; rebuilding it", key.name, self.cache.package(akey), problem)
+                log.warning(
+                    "capture cache: %s at %s is %s; rebuilding it",
+                    key.name,
+                    cache.package(akey),
+                    problem,
+                )
             self._building(key)
-            build = functools.partial(aot.build, key.kind, self.model, self.state, inputs, options=self.inductor_options)
-            self.cache.store(akey, build, key.name)
+            build = functools.partial(
+                aot.build, key.kind, self.model, self.state, inputs, options=self.inductor_options
+            )
+            cache.store(akey, build, key.name)
             self.compiles += 1
-            return aot.load(self.cache.package(akey), self.model, self.state)
+            return aot.load(cache.package(akey), self.model, self.state)

@@ -40,7 +40,9 @@ def _artifact(rt: Any, key: GraphKey) -> dict[str, Any]:
 
 
 @contextmanager
-def helpers(rt: Any, model: str | Path, options: dict[str, Any], keys: list[GraphKey], processes: int | None = None) -> Iterator[int]:
+def helpers(
+    rt: Any, model: str | Path, options: dict[str, Any], keys: list[GraphKey], processes: int | None = None
+) -> Iterator[int]:
     """While the block readies `keys` of `rt`, helper processes (up to `processes` in all, by default
     one per core) build those its cache lacks, each from its own point in the list. Yields the number
     of helpers started (0 without a cache, a spare core, or two graphs to build)."""
@@ -50,7 +52,13 @@ def helpers(rt: Any, model: str | Path, options: dict[str, Any], keys: list[Grap
         for i in range(1, count + 1):
             spec = Path(folder) / f"helper{i}.pickle"
             spec.write_bytes(pickle.dumps((str(model), options, keys, i, count + 1)))
-            started.append(subprocess.Popen([sys.executable, "-m", __name__, str(spec)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            started.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", __name__, str(spec)],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
         try:
             yield len(started)
         finally:
@@ -75,9 +83,11 @@ def _helper(model: str, options: dict[str, Any], keys: list[GraphKey], index: in
 
     logging.getLogger("compiled_mtp.progress").setLevel(logging.WARNING)
     rt = Runtime.from_pretrained(model, **options)
+    cache = rt.graphs.cache
+    assert cache is not None  # helpers start only for a runtime with a cache
     start = index * len(keys) // processes
     for key in keys[start:] + keys[:start]:
-        if rt.graphs.cache.problem(_artifact(rt, key)) is not None:
+        if cache.problem(_artifact(rt, key)) is not None:
             rt.graphs.prepare(key, example_inputs(key, rt.model, rt.prefill_chunk))
 
 

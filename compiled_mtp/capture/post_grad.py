@@ -10,16 +10,17 @@ from __future__ import annotations
 import copy
 import tempfile
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from .aot import compile_package, export_step
 from ..graphs.plan import GraphKind
 from ..graphs.state import StaticState
 from ..models.family import CausalLM
 from ..passes.manager import PassManager
+from .aot import compile_package, export_step
 
 
 class _Stop(Exception):
@@ -28,7 +29,7 @@ class _Stop(Exception):
 
 class _Record(CustomGraphPass):
     # Inductor copies the pass object it is configured with, so the graphs go to the class.
-    graphs: list[fx.GraphModule] = []
+    graphs: ClassVar[list[fx.GraphModule]] = []
 
     def __init__(self, enabled: tuple[str, ...]) -> None:
         self.manager = PassManager(enabled)
@@ -45,12 +46,19 @@ class _Record(CustomGraphPass):
 
 def _runnable(graph: fx.Graph) -> fx.GraphModule:
     copied = copy.deepcopy(graph)
-    copied._codegen = fx.graph.CodeGen()  # plain positional inputs instead of the export's pytree calling convention
+    copied._codegen = (
+        fx.graph.CodeGen()
+    )  # plain positional inputs instead of the export's pytree calling convention
+    assert graph.owning_module is not None, "Inductor's post-grad graphs belong to a GraphModule"
     return fx.GraphModule(graph.owning_module, copied)
 
 
 def post_grad_graphs(
-    kind: GraphKind, model: CausalLM, state: StaticState, inputs: tuple[torch.Tensor, ...], passes: tuple[str, ...]
+    kind: GraphKind,
+    model: CausalLM,
+    state: StaticState,
+    inputs: tuple[torch.Tensor, ...],
+    passes: tuple[str, ...],
 ) -> tuple[fx.GraphModule, fx.GraphModule]:
     """(graph before the passes, graph after them) of step `kind` on step tensors shaped like `inputs`.
     Call them with the step tensors."""

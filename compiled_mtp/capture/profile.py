@@ -8,6 +8,7 @@ finds every graph it needs in the capture cache.
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,39 +95,51 @@ def load_profile(path: str | Path) -> Profile:
     return profile
 
 
-def _int(raw: dict, name: str, low: int, fail) -> int:
+# Makes the one-line error for a bad field: fail(field, what is wrong with it).
+_Fail = Callable[[str, str], ProfileError]
+
+
+def _int(raw: dict, name: str, low: int, fail: _Fail) -> int:
     value = raw[name]
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
         raise fail(name, f"must be an integer >= {low}")
     return value
 
 
-def _int_list(raw: dict, name: str, low: int, fail) -> tuple[int, ...]:
+def _int_list(raw: dict, name: str, low: int, fail: _Fail) -> tuple[int, ...]:
     values = raw[name]
-    ok = isinstance(values, list) and values and all(isinstance(v, int) and not isinstance(v, bool) and v >= low for v in values)
+    ok = (
+        isinstance(values, list)
+        and values
+        and all(isinstance(v, int) and not isinstance(v, bool) and v >= low for v in values)
+    )
     if not ok:
         raise fail(name, f"must be a non-empty list of integers >= {low}")
     return tuple(sorted(set(values)))
 
 
-def _dtype(raw: dict, fail) -> str:
+def _dtype(raw: dict, fail: _Fail) -> str:
     name = raw["dtype"]
-    if not isinstance(name, str) or not isinstance(getattr(torch, name, None), torch.dtype) or not getattr(torch, name).is_floating_point:
+    if (
+        not isinstance(name, str)
+        or not isinstance(getattr(torch, name, None), torch.dtype)
+        or not getattr(torch, name).is_floating_point
+    ):
         raise fail("dtype", "must name a floating-point torch dtype such as 'float32' or 'bfloat16'")
     return name
 
 
-def _device(raw: dict, fail) -> str:
+def _device(raw: dict, fail: _Fail) -> str:
     if raw["device"] != "cpu":
         raise fail("device", f"must be 'cpu': {CPU_ONLY}")
     return "cpu"
 
 
-def _model(raw: dict, path: Path, fail) -> Path | None:
+def _model(raw: dict, path: Path, fail: _Fail) -> Path | None:
     """`default` is the packaged checkpoint; other paths are relative to the profile's directory."""
     if "model" not in raw:
         return None
     value = raw["model"]
     if not isinstance(value, str) or not value:
-        raise fail("model", "must be a checkpoint directory or \"default\"")
+        raise fail("model", 'must be a checkpoint directory or "default"')
     return DEFAULT_MODEL if value == "default" else (path.parent / value).resolve()

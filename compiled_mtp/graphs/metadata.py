@@ -16,7 +16,9 @@ def block_positions(first: Tensor, rows: int) -> Tensor:
     return first[:, None] + torch.arange(rows, device=first.device)
 
 
-def cache_rows(slots: Tensor, positions: Tensor, capacity: int, scratch_slot: int, valid: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def cache_rows(
+    slots: Tensor, positions: Tensor, capacity: int, scratch_slot: int, valid: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """(positions clamped into the cache, flat write index into a [slots, capacity] cache)."""
     ok = positions < capacity
     if valid is not None:

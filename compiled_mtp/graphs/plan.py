@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import functools
 import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum, member
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
-from ..models.deepseek_v3 import DeepseekV3
+from ..models.family import CausalLM
 from . import steps
 from .state import LAG_WINDOW
 
@@ -80,13 +81,17 @@ class StepPlan:
     @functools.cached_property
     def keys(self) -> tuple[GraphKey, ...]:
         """The graphs the step may run, in order."""
-        return tuple(key for key in (self.catch_up, self.draft_decode, self.target_verify, self.draft_extend) if key)
+        return tuple(
+            key for key in (self.catch_up, self.draft_decode, self.target_verify, self.draft_extend) if key
+        )
 
     @functools.cached_property
-    def columns(self) -> tuple[slice, slice, slice]:
+    def columns(self) -> tuple[slice, ...]:
         """Where draft_decode's, target_verify's and draft_extend's uniforms sit among the step's
         (empty for a graph that does not run): a step draws each request's at once."""
-        widths = [key.uniforms if key else 0 for key in (self.draft_decode, self.target_verify, self.draft_extend)]
+        widths = [
+            key.uniforms if key else 0 for key in (self.draft_decode, self.target_verify, self.draft_extend)
+        ]
         return tuple(slice(end - width, end) for width, end in zip(widths, itertools.accumulate(widths)))
 
     @functools.cached_property
@@ -110,7 +115,7 @@ def step_plan(batch: int, depth: int, depths: tuple[int, ...]) -> StepPlan:
         # Its shapes do not depend on the step's depth: one graph per bucket serves them all.
         catch_up=GraphKey(GraphKind.mtp_catch_up, batch, 0) if mixed else None,
         draft_decode=key(GraphKind.draft_decode, depth >= 2),
-        target_verify=key(GraphKind.target_verify),
+        target_verify=GraphKey(GraphKind.target_verify, batch, depth),
         draft_extend=key(GraphKind.draft_extend, depth >= 1),
     )
 
@@ -123,7 +128,7 @@ def graph_keys(batch_sizes: Sequence[int], depths: Sequence[int]) -> list[GraphK
     return [PREFILL, *dict.fromkeys(keys)]
 
 
-def example_inputs(key: GraphKey, model: DeepseekV3, prefill_chunk: int) -> tuple[torch.Tensor, ...]:
+def example_inputs(key: GraphKey, model: CausalLM, prefill_chunk: int) -> tuple[torch.Tensor, ...]:
     """Step tensors with the shapes and dtypes Runtime._prefill and Runtime._decode pass for `key`
     (values do not matter: export traces shapes)."""
     kind, b, k = key

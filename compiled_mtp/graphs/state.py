@@ -44,7 +44,9 @@ class StaticState(nn.Module):
         self.register_buffer("last_token", torch.zeros(n, dtype=torch.long, device=dev))
         depth = max(max_depth, 1)
         self.register_buffer("drafts", torch.zeros(n, depth, dtype=torch.long, device=dev))
-        self.register_buffer("draft_probs", torch.zeros(n, depth if max_depth else 0, cfg.vocab_size, device=dev))
+        self.register_buffer(
+            "draft_probs", torch.zeros(n, depth if max_depth else 0, cfg.vocab_size, device=dev)
+        )
         dtype = model.lm_head.weight.dtype
         self.register_buffer("mtp_hidden", torch.zeros(n, cfg.hidden_size, dtype=dtype, device=dev))
         window = LAG_WINDOW if mtp_layers else 0

@@ -22,7 +22,9 @@ def _params(state: StaticState, slots: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return state.temperature[slots], state.top_k[slots], state.top_p[slots]
 
 
-def _rows(state: StaticState, slots: Tensor, positions: Tensor, valid: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def _rows(
+    state: StaticState, slots: Tensor, positions: Tensor, valid: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     return cache_rows(slots, positions, state.max_seq_len, state.scratch_slot, valid)
 
 
@@ -31,7 +33,16 @@ def _store_draft(state: StaticState, slots: Tensor, depth: int, token: Tensor, p
     state.draft_probs[slots, depth] = probs
 
 
-def prefill(model: CausalLM, state: StaticState, tokens: Tensor, next_tokens: Tensor, slot: Tensor, start: Tensor, prompt_len: Tensor, noise: Tensor) -> Tensor:
+def prefill(
+    model: CausalLM,
+    state: StaticState,
+    tokens: Tensor,
+    next_tokens: Tensor,
+    slot: Tensor,
+    start: Tensor,
+    prompt_len: Tensor,
+    noise: Tensor,
+) -> Tensor:
     """One fixed-size chunk of one prompt: tokens [1, C] at positions start.., next_tokens [1, C] the
     prompt shifted by one (for M). In the chunk holding the prompt's last token, samples t_n (returned)
     and, with MTP, drafts d_1. noise [1, 2]: the uniform for t_n, the one for d_1."""
@@ -50,13 +61,17 @@ def prefill(model: CausalLM, state: StaticState, tokens: Tensor, next_tokens: Te
     return first
 
 
-def _draft(model: CausalLM, state: StaticState, slots: Tensor, hidden: Tensor, u: Tensor, depth: int) -> Tensor:
+def _draft(
+    model: CausalLM, state: StaticState, slots: Tensor, hidden: Tensor, u: Tensor, depth: int
+) -> Tensor:
     """Draft d_{depth + 1} from M's hidden, remember it with q and return it. A restricted draft vocabulary
     samples among its tokens; q, over the whole vocabulary, is 0 elsewhere, so verification stays exact."""
     token, probs = draft_sample(model.draft_logits(hidden), *_params(state, slots), u)
     if model.draft_ids is not None:
         token = model.draft_ids[token]
-        probs = probs.new_zeros(probs.shape[0], state.draft_probs.shape[-1]).index_copy(1, model.draft_ids, probs)
+        probs = probs.new_zeros(probs.shape[0], state.draft_probs.shape[-1]).index_copy(
+            1, model.draft_ids, probs
+        )
     _store_draft(state, slots, depth, token, probs)
     return token
 
@@ -74,11 +89,15 @@ def draft_decode(model: CausalLM, state: StaticState, slots: Tensor, seq_lens: T
     for j in range(1, noise.shape[1] + 1):
         positions, write = _rows(state, slots, (seq_lens - 2 + j)[:, None])
         layer = j % model.num_mtp_layers
-        hidden = model.forward_mtp(layer, token[:, None], hidden[:, None], positions, write, slots, state.mtp_cache)[:, 0]
+        hidden = model.forward_mtp(
+            layer, token[:, None], hidden[:, None], positions, write, slots, state.mtp_cache
+        )[:, 0]
         token = _draft(model, state, slots, hidden, noise[:, j - 1], j)
 
 
-def target_verify(model: CausalLM, state: StaticState, slots: Tensor, seq_lens: Tensor, noise: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def target_verify(
+    model: CausalLM, state: StaticState, slots: Tensor, seq_lens: Tensor, noise: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
     """T over [t_{L-1}, d_1..d_K] (K = noise.shape[1] - 1) and rejection sampling in the same graph.
     Returns accepted counts [B], committed tokens [B, K + 1] (d_1..d_a, then the bonus/correction
     token, repeated as filler) and T's hiddens [B, K + 1, H] for draft_extend."""
@@ -90,12 +109,23 @@ def target_verify(model: CausalLM, state: StaticState, slots: Tensor, seq_lens: 
     if k == 0 and state.lag_hidden.shape[1]:
         # M skips depth-0 steps; mtp_catch_up runs it later over the hiddens kept here.
         state.lag_hidden[slots, (seq_lens - 1) % state.lag_hidden.shape[1]] = h[:, 0]
-    accepted, committed = verify_sample(model.logits(h), *_params(state, slots), drafts, state.draft_probs[slots, :k], noise)
+    accepted, committed = verify_sample(
+        model.logits(h), *_params(state, slots), drafts, state.draft_probs[slots, :k], noise
+    )
     state.last_token[slots] = committed.gather(1, accepted[:, None])[:, 0]
     return accepted, committed, h
 
 
-def draft_extend(model: CausalLM, state: StaticState, slots: Tensor, seq_lens: Tensor, accepted: Tensor, committed: Tensor, hidden: Tensor, noise: Tensor) -> None:
+def draft_extend(
+    model: CausalLM,
+    state: StaticState,
+    slots: Tensor,
+    seq_lens: Tensor,
+    accepted: Tensor,
+    committed: Tensor,
+    hidden: Tensor,
+    noise: Tensor,
+) -> None:
     """M over the verify block's K + 1 positions with T's hiddens and the committed tokens: rewrites
     M's cache there (rows past `accepted` carry filler, overwritten later) and drafts the next d_1
     from row `accepted`. seq_lens are the lengths before the verify; noise [B, 1]."""
@@ -104,7 +134,15 @@ def draft_extend(model: CausalLM, state: StaticState, slots: Tensor, seq_lens: T
     _draft_from(model, state, slots, gather_rows(m, accepted), noise[:, 0])
 
 
-def mtp_catch_up(model: CausalLM, state: StaticState, slots: Tensor, seq_lens: Tensor, lags: Tensor, tokens: Tensor, noise: Tensor) -> None:
+def mtp_catch_up(
+    model: CausalLM,
+    state: StaticState,
+    slots: Tensor,
+    seq_lens: Tensor,
+    lags: Tensor,
+    tokens: Tensor,
+    noise: Tensor,
+) -> None:
     """M over the positions depth-0 steps left it behind on, then d_1 from the last one. The block is
     the W = tokens.shape[1] positions before seq_len - 1; only each request's last `lags` of them run
     (T's hiddens kept by target_verify at K=0), the other rows write nowhere. tokens [B, W]: the

@@ -13,6 +13,7 @@ import json
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -34,14 +35,21 @@ class _Source:
     key: str
 
 
-def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", with_mtp: bool = True) -> CausalLM:
+def load_model(
+    path: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    with_mtp: bool = True,
+) -> CausalLM:
     """Load a checkpoint directory of any registered family. `with_mtp=False` skips the MTP layers
     (plain decoding)."""
     path = Path(path)
     family, cfg = read_config(path / "config.json")
     if with_mtp and cfg.num_nextn_predict_layers == 0:
         raise CheckpointError(
-            f"{path / 'config.json'}: num_nextn_predict_layers is 0, so mtp_depth must be 0 (this checkpoint has no MTP layers)"
+            f"{path / 'config.json'}: num_nextn_predict_layers is 0, so mtp_depth must be 0"
+            " (this checkpoint has no MTP layers)"
         )
     if not with_mtp:
         cfg = replace(cfg, num_nextn_predict_layers=0)
@@ -84,7 +92,7 @@ def _index(path: Path) -> dict[str, _Source]:
     return sources
 
 
-def _open(file: Path):
+def _open(file: Path) -> safe_open:
     try:
         return safe_open(str(file), framework="pt", device="cpu")
     except (SafetensorError, OSError, ValueError) as e:
@@ -95,9 +103,9 @@ class _Handles:
     """One open (memory-mapped) handle per shard for the duration of a load."""
 
     def __init__(self) -> None:
-        self._open: dict[Path, object] = {}
+        self._open: dict[Path, safe_open] = {}
 
-    def _slice(self, src: _Source, read: bool):
+    def _slice(self, src: _Source, read: bool) -> Any:
         if src.file not in self._open:
             self._open[src.file] = _open(src.file)
         handle = self._open[src.file]
@@ -118,10 +126,14 @@ class _Handles:
 
 def _expected_keys(model: CausalLM) -> dict[str, list[str]]:
     """model parameter name -> the checkpoint keys it is built from (several for stacked experts)."""
-    return {name: model.checkpoint_keys(name, param) for name, param in model.state_dict(keep_vars=True).items()}
+    return {
+        name: model.checkpoint_keys(name, param) for name, param in model.state_dict(keep_vars=True).items()
+    }
 
 
-def _check_keys(path: Path, cfg: FamilyConfig, sources: dict[str, _Source], expected: dict[str, list[str]]) -> None:
+def _check_keys(
+    path: Path, cfg: FamilyConfig, sources: dict[str, _Source], expected: dict[str, list[str]]
+) -> None:
     wanted = {k for keys in expected.values() for k in keys}
     first_mtp = cfg.num_hidden_layers
     if cfg.num_nextn_predict_layers and not any(k.startswith(f"model.layers.{first_mtp}.") for k in sources):
@@ -149,7 +161,16 @@ def _allowed_extra(key: str, sources: dict[str, _Source], cfg: FamilyConfig, fir
     return False
 
 
-def _materialize(name: str, param: Tensor, keys: list[str], sources: dict[str, _Source], handles: _Handles, cfg: FamilyConfig, dtype: torch.dtype, device) -> Tensor:
+def _materialize(
+    name: str,
+    param: Tensor,
+    keys: list[str],
+    sources: dict[str, _Source],
+    handles: _Handles,
+    cfg: FamilyConfig,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> Tensor:
     shape = list(param.shape[1:]) if len(keys) > 1 else list(param.shape)
     for key in keys:
         got = handles.shape(sources[key])
@@ -170,7 +191,9 @@ def _read(key: str, sources: dict[str, _Source], handles: _Handles, cfg: FamilyC
     scale_key = key + "_scale_inv"
     if scale_key not in sources:
         raise CheckpointError(f"{sources[key].file}: FP8 key {key!r} has no {scale_key!r}")
-    return dequantize_fp8(tensor, handles.get_tensor(sources[scale_key]), cfg.fp8_block_size or (128, 128), sources[scale_key])
+    return dequantize_fp8(
+        tensor, handles.get_tensor(sources[scale_key]), cfg.fp8_block_size or (128, 128), sources[scale_key]
+    )
 
 
 def dequantize_fp8(weight: Tensor, scale_inv: Tensor, block: tuple[int, int], where: object = "") -> Tensor:
@@ -179,7 +202,10 @@ def dequantize_fp8(weight: Tensor, scale_inv: Tensor, block: tuple[int, int], wh
     br, bc = block
     want = [-(-rows // br), -(-cols // bc)]
     if list(scale_inv.shape) != want:
-        raise CheckpointError(f"{getattr(where, 'file', where)}: scale {getattr(where, 'key', '')!r} has shape {list(scale_inv.shape)}, expected {want}")
+        raise CheckpointError(
+            f"{getattr(where, 'file', where)}: scale {getattr(where, 'key', '')!r}"
+            f" has shape {list(scale_inv.shape)}, expected {want}"
+        )
     scale = scale_inv.float().repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
     return weight.float() * scale
 
@@ -193,7 +219,9 @@ def _assign(model: CausalLM, name: str, tensor: Tensor) -> None:
         module._parameters[attr] = torch.nn.Parameter(tensor, requires_grad=False)
 
 
-def save_checkpoint(model: CausalLM, config: dict, path: str | Path, dtype: torch.dtype | None = None) -> Path:
+def save_checkpoint(
+    model: CausalLM, config: dict, path: str | Path, dtype: torch.dtype | None = None
+) -> Path:
     """Write `model` in its family's released layout (per-expert keys, MTP layers after the target's).
 
     `config` is the HF config.json dict the model was built from. The MTP layers get the shared-head
@@ -213,7 +241,9 @@ def save_checkpoint(model: CausalLM, config: dict, path: str | Path, dtype: torc
     first = model.cfg.num_hidden_layers
     for i in range(model.cfg.num_nextn_predict_layers):
         tensors[f"model.layers.{first + i}.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
-        tensors[f"model.layers.{first + i}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+        tensors[f"model.layers.{first + i}.embed_tokens.weight"] = tensors[
+            "model.embed_tokens.weight"
+        ].clone()
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return path

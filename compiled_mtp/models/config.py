@@ -85,8 +85,13 @@ class ModelConfig:
         """Validate and convert an HF config dict (its family checked by registry.family_of); errors
         name `source` and the field."""
         if raw.get("hidden_act", "silu") != "silu":
-            raise CheckpointError(f"{source}: hidden_act {raw['hidden_act']!r} is not supported (only 'silu')")
-        eos, block = eos_ids(raw), fp8_block_size(raw, source)  # before the try: CheckpointError is a ValueError
+            raise CheckpointError(
+                f"{source}: hidden_act {raw['hidden_act']!r} is not supported (only 'silu')"
+            )
+        eos, block = (
+            eos_ids(raw),
+            fp8_block_size(raw, source),
+        )  # before the try: CheckpointError is a ValueError
         try:
             cfg = cls(
                 vocab_size=int(raw["vocab_size"]),
@@ -100,7 +105,9 @@ class ModelConfig:
                 v_head_dim=int(raw["v_head_dim"]),
                 q_lora_rank=None if raw.get("q_lora_rank") is None else int(raw["q_lora_rank"]),
                 moe_intermediate_size=int(raw.get("moe_intermediate_size") or 0),
-                n_routed_experts=None if raw.get("n_routed_experts") is None else int(raw["n_routed_experts"]),
+                n_routed_experts=None
+                if raw.get("n_routed_experts") is None
+                else int(raw["n_routed_experts"]),
                 n_shared_experts=int(raw.get("n_shared_experts") or 0),
                 num_experts_per_tok=int(raw.get("num_experts_per_tok") or 1),
                 n_group=int(raw.get("n_group") or 1),
@@ -132,8 +139,14 @@ class ModelConfig:
         need(self.vocab_size > 0 and self.hidden_size > 0, "vocab_size and hidden_size must be positive")
         need(self.qk_rope_head_dim % 2 == 0, f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
         if self.n_routed_experts is not None:
-            need(self.n_routed_experts % self.n_group == 0, f"n_routed_experts {self.n_routed_experts} not divisible by n_group {self.n_group}")
-            need(1 <= self.topk_group <= self.n_group, f"topk_group must be in [1, n_group={self.n_group}], got {self.topk_group}")
+            need(
+                self.n_routed_experts % self.n_group == 0,
+                f"n_routed_experts {self.n_routed_experts} not divisible by n_group {self.n_group}",
+            )
+            need(
+                1 <= self.topk_group <= self.n_group,
+                f"topk_group must be in [1, n_group={self.n_group}], got {self.topk_group}",
+            )
             per_group = self.n_routed_experts // self.n_group
             need(
                 1 <= self.num_experts_per_tok <= per_group * self.topk_group,
@@ -153,7 +166,9 @@ def fp8_block_size(raw: dict[str, Any], source: str) -> tuple[int, int] | None:
     if not quant:
         return None
     if quant.get("quant_method") != "fp8":
-        raise CheckpointError(f"{source}: quantization_config.quant_method {quant.get('quant_method')!r} is not supported (only 'fp8')")
+        raise CheckpointError(
+            f"{source}: quantization_config.quant_method {quant.get('quant_method')!r} is not supported (only 'fp8')"
+        )
     return tuple(quant.get("weight_block_size") or (128, 128))
 
 

@@ -24,7 +24,17 @@ from .layers import (
     gathered_experts,
 )
 
-__all__ = ["MLA", "MLP", "DeepseekV3", "Experts", "Linear", "MoE", "Router", "gathered_experts", "latent_attention"]
+__all__ = [
+    "MLA",
+    "MLP",
+    "DeepseekV3",
+    "Experts",
+    "Linear",
+    "MoE",
+    "Router",
+    "gathered_experts",
+    "latent_attention",
+]
 
 
 class MLA(nn.Module):
@@ -52,7 +62,13 @@ class MLA(nn.Module):
     def forward(self, x: Tensor, ctx: Context, layer: int) -> Tensor:
         cfg = self.cfg
         b, t, _ = x.shape
-        nh, dn, dr, dv, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        nh, dn, dr, dv, r = (
+            cfg.num_attention_heads,
+            cfg.qk_nope_head_dim,
+            cfg.qk_rope_head_dim,
+            cfg.v_head_dim,
+            cfg.kv_lora_rank,
+        )
         q = self.q_proj(x) if cfg.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q_nope, q_pe = q.view(b, t, nh, cfg.qk_head_dim).split([dn, dr], dim=-1)
         q_pe = ctx.rope(q_pe, ctx.cos[:, :, None], ctx.sin[:, :, None])
@@ -81,6 +97,8 @@ class DeepseekV3(CausalLM):
     """DeepSeek-V3's target model T and MTP layers M. Caches: [layers, slots, max_seq_len, cache_dim]."""
 
     model_type = "deepseek_v3"
+
+    e_score_correction_bias: Tensor
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg, lambda: MLA(cfg), cfg.cache_dim, mtp_moe=cfg.n_routed_experts is not None)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from .config import CheckpointError
 
@@ -37,11 +37,19 @@ def read_ranking(checkpoint: str | Path, vocab_size: int) -> list[int]:
     """The stored ranking; a one-line CheckpointError when it is missing or not a ranking of the vocabulary."""
     path = Path(checkpoint) / FILE
     if not path.exists():
-        raise CheckpointError(f"draft_vocab: {path} does not exist; write it with: compiled-mtp calibrate --model {checkpoint} --text FILE...")
+        raise CheckpointError(
+            f"draft_vocab: {path} does not exist; "
+            f"write it with: compiled-mtp calibrate --model {checkpoint} --text FILE..."
+        )
     try:
         ranking = json.loads(path.read_text())["token_ids"]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{path}: unreadable ({e}); write it again with compiled-mtp calibrate") from None
+        raise CheckpointError(
+            f"{path}: unreadable ({e}); write it again with compiled-mtp calibrate"
+        ) from None
     if sorted(ranking) != list(range(vocab_size)):
-        raise CheckpointError(f"{path}: token_ids must rank every id in [0, {vocab_size}) once; write it again with compiled-mtp calibrate")
+        raise CheckpointError(
+            f"{path}: token_ids must rank every id in [0, {vocab_size}) once; "
+            "write it again with compiled-mtp calibrate"
+        )
     return ranking

@@ -94,9 +94,13 @@ class CausalLM(nn.Module):
         return self.cache_layout.allocate(num_layers, num_slots, max_seq_len, p.dtype, p.device)
 
     def context(self, positions: Tensor, write_index: Tensor, slots: Tensor, cache: Tensor) -> Context:
-        return Context(self.rope, self.cache_layout, positions, write_index, slots, cache, self.lm_head.weight.dtype)
+        return Context(
+            self.rope, self.cache_layout, positions, write_index, slots, cache, self.lm_head.weight.dtype
+        )
 
-    def forward_target(self, tokens: Tensor, positions: Tensor, write_index: Tensor, slots: Tensor, cache: Tensor) -> Tensor:
+    def forward_target(
+        self, tokens: Tensor, positions: Tensor, write_index: Tensor, slots: Tensor, cache: Tensor
+    ) -> Tensor:
         """T over a [B, T] block. Returns post-final-norm hiddens [B, T, H] and writes each row's
         cache entry to `write_index` (flat over slots x positions)."""
         ctx = self.context(positions, write_index, slots, cache)
@@ -105,7 +109,16 @@ class CausalLM(nn.Module):
             x = self.model.layers[i](x, ctx, i)
         return self.model.norm(x)
 
-    def forward_mtp(self, layer: int, tokens: Tensor, hidden: Tensor, positions: Tensor, write_index: Tensor, slots: Tensor, cache: Tensor) -> Tensor:
+    def forward_mtp(
+        self,
+        layer: int,
+        tokens: Tensor,
+        hidden: Tensor,
+        positions: Tensor,
+        write_index: Tensor,
+        slots: Tensor,
+        cache: Tensor,
+    ) -> Tensor:
         """MTP layer `layer` over a [B, T] block: row (b, t) takes the token at positions+1 and the hidden
         from positions. Returns its post-shared_head.norm hiddens; `cache` is the MTP cache."""
         ctx = self.context(positions, write_index, slots, cache)
@@ -123,5 +136,5 @@ class Family:
     model_type: str
     architectures: tuple[str, ...]
     config: Any
-    model: type[CausalLM]
+    model: Callable[[Any], CausalLM]  # the model class, from the config
     hf_class: str

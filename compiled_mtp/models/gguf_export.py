@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -17,12 +19,15 @@ from torch import Tensor
 from .checkpoint import load_model
 from .config import ModelConfig
 
+if TYPE_CHECKING:  # gguf is an optional dependency, imported when an export runs
+    from gguf import GGMLQuantizationType, GGUFWriter
+
 # torch dtype of the stored tensors, per the CLI's --dtype; norms, the router and its bias stay
 # float32, as llama.cpp's converter keeps every 1-D tensor.
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
 
-def _gguf():
+def _gguf() -> ModuleType:
     try:
         import gguf
     except ImportError:
@@ -38,7 +43,10 @@ def export_gguf(checkpoint: str | Path, out: str | Path, dtype: str = "f32") -> 
     checkpoint, out = Path(checkpoint), Path(out)
     model = load_model(checkpoint, with_mtp=False)
     if model.model_type != "deepseek_v3":
-        raise ValueError(f"{checkpoint}: is {model.model_type}; the GGUF export writes DeepSeek-V3 checkpoints only (llama.cpp's deepseek2)")
+        raise ValueError(
+            f"{checkpoint}: is {model.model_type}; the GGUF export writes "
+            "DeepSeek-V3 checkpoints only (llama.cpp's deepseek2)"
+        )
     cfg = model.cfg
     writer = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.DEEPSEEK2])
     _write_parameters(writer, gguf, cfg, dtype)
@@ -48,9 +56,15 @@ def export_gguf(checkpoint: str | Path, out: str | Path, dtype: str = "f32") -> 
         for hf_name, part in _split(name, tensor, cfg):
             gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
             if gguf_name is None:
-                raise ValueError(f"{checkpoint}: tensor {hf_name!r} has no GGUF name in llama.cpp's deepseek2 layout")
+                raise ValueError(
+                    f"{checkpoint}: tensor {hf_name!r} has no GGUF name in llama.cpp's deepseek2 layout"
+                )
             stored = part.float() if part.dim() == 1 else part.to(DTYPES[dtype])
-            writer.add_tensor(gguf_name, stored.contiguous().view(_raw(stored.dtype)).numpy(), raw_dtype=_gguf_type(gguf, stored.dtype))
+            writer.add_tensor(
+                gguf_name,
+                stored.contiguous().view(_raw(stored.dtype)).numpy(),
+                raw_dtype=_gguf_type(gguf, stored.dtype),
+            )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -81,11 +95,15 @@ def _raw(dtype: torch.dtype) -> torch.dtype:
     return torch.int16 if dtype == torch.bfloat16 else dtype
 
 
-def _gguf_type(gguf, dtype: torch.dtype):
-    return {torch.float32: gguf.GGMLQuantizationType.F32, torch.float16: gguf.GGMLQuantizationType.F16, torch.bfloat16: gguf.GGMLQuantizationType.BF16}[dtype]
+def _gguf_type(gguf: ModuleType, dtype: torch.dtype) -> GGMLQuantizationType:
+    return {
+        torch.float32: gguf.GGMLQuantizationType.F32,
+        torch.float16: gguf.GGMLQuantizationType.F16,
+        torch.bfloat16: gguf.GGMLQuantizationType.BF16,
+    }[dtype]
 
 
-def _write_parameters(writer, gguf, cfg: ModelConfig, dtype: str) -> None:
+def _write_parameters(writer: GGUFWriter, gguf: ModuleType, cfg: ModelConfig, dtype: str) -> None:
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
@@ -96,7 +114,9 @@ def _write_parameters(writer, gguf, cfg: ModelConfig, dtype: str) -> None:
     writer.add_rope_freq_base(cfg.rope.theta)
     writer.add_rope_dimension_count(cfg.qk_rope_head_dim)
     writer.add_vocab_size(cfg.vocab_size)
-    writer.add_leading_dense_block_count(cfg.first_k_dense_replace if cfg.n_routed_experts else cfg.num_hidden_layers)
+    writer.add_leading_dense_block_count(
+        cfg.first_k_dense_replace if cfg.n_routed_experts else cfg.num_hidden_layers
+    )
     if cfg.q_lora_rank is not None:
         writer.add_q_lora_rank(cfg.q_lora_rank)
     writer.add_kv_lora_rank(cfg.kv_lora_rank)
@@ -120,12 +140,18 @@ def _write_parameters(writer, gguf, cfg: ModelConfig, dtype: str) -> None:
         writer.add_rope_scaling_orig_ctx_len(cfg.rope.original_max_position_embeddings)
         writer.add_rope_scaling_yarn_beta_fast(cfg.rope.beta_fast)
         writer.add_rope_scaling_yarn_beta_slow(cfg.rope.beta_slow)
-        writer.add_rope_scaling_yarn_log_mul(0.1 * cfg.rope.mscale_all_dim)  # llama.cpp's deepseek2 convention
-    file_types = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16, "bf16": gguf.LlamaFileType.MOSTLY_BF16}
+        writer.add_rope_scaling_yarn_log_mul(
+            0.1 * cfg.rope.mscale_all_dim
+        )  # llama.cpp's deepseek2 convention
+    file_types = {
+        "f32": gguf.LlamaFileType.ALL_F32,
+        "f16": gguf.LlamaFileType.MOSTLY_F16,
+        "bf16": gguf.LlamaFileType.MOSTLY_BF16,
+    }
     writer.add_file_type(file_types[dtype])
 
 
-def _write_vocab(writer, gguf, checkpoint: Path, cfg: ModelConfig) -> None:
+def _write_vocab(writer: GGUFWriter, gguf: ModuleType, checkpoint: Path, cfg: ModelConfig) -> None:
     """The byte-level BPE of tokenizer.json as llama.cpp's "gpt2" tokenizer; without one, token ids only."""
     path = checkpoint / "tokenizer.json"
     if not path.exists():
@@ -133,7 +159,9 @@ def _write_vocab(writer, gguf, checkpoint: Path, cfg: ModelConfig) -> None:
         return
     spec = json.loads(path.read_text())
     if spec["model"]["type"] != "BPE" or (spec.get("pre_tokenizer") or {}).get("type") != "ByteLevel":
-        raise ValueError(f"{path}: only byte-level BPE tokenizers export to GGUF, got {spec['model']['type']}")
+        raise ValueError(
+            f"{path}: only byte-level BPE tokenizers export to GGUF, got {spec['model']['type']}"
+        )
     vocab: dict[str, int] = spec["model"]["vocab"]
     special = {t["content"]: t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
     tokens = [f"[PAD{i}]" for i in range(cfg.vocab_size)]

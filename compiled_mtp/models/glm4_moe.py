@@ -72,13 +72,20 @@ class Glm4MoeConfig:
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> Glm4MoeConfig:
         """Validate and convert an HF config dict; errors name `source` and the field."""
         if raw.get("hidden_act", "silu") != "silu":
-            raise CheckpointError(f"{source}: hidden_act {raw['hidden_act']!r} is not supported (only 'silu')")
+            raise CheckpointError(
+                f"{source}: hidden_act {raw['hidden_act']!r} is not supported (only 'silu')"
+            )
         # transformers >= 5 writes `rope_parameters`; the released configs have top-level fields.
         rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
         kind = rope.get("rope_type", rope.get("type", "default"))
         if kind != "default":
-            raise CheckpointError(f"{source}: rope type {kind!r} is not supported for glm4_moe (supported: default)")
-        eos, block = eos_ids(raw), fp8_block_size(raw, source)  # before the try: CheckpointError is a ValueError
+            raise CheckpointError(
+                f"{source}: rope type {kind!r} is not supported for glm4_moe (supported: default)"
+            )
+        eos, block = (
+            eos_ids(raw),
+            fp8_block_size(raw, source),
+        )  # before the try: CheckpointError is a ValueError
         try:
             heads, hidden = int(raw["num_attention_heads"]), int(raw["hidden_size"])
             cfg = cls(
@@ -100,12 +107,16 @@ class Glm4MoeConfig:
                 first_k_dense_replace=int(raw.get("first_k_dense_replace", 1)),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
                 rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
-                partial_rotary_factor=float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.5))),
+                partial_rotary_factor=float(
+                    rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.5))
+                ),
                 attention_bias=bool(raw.get("attention_bias", False)),
                 use_qk_norm=bool(raw.get("use_qk_norm", False)),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 max_position_embeddings=int(raw.get("max_position_embeddings", 131072)),
-                num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers", raw.get("num_mtp_layers", 0)) or 0),
+                num_nextn_predict_layers=int(
+                    raw.get("num_nextn_predict_layers", raw.get("num_mtp_layers", 0)) or 0
+                ),
                 eos_token_ids=eos,
                 fp8_block_size=block,
             )
@@ -122,14 +133,29 @@ class Glm4MoeConfig:
                 raise CheckpointError(f"{source}: {what}")
 
         need(self.vocab_size > 0 and self.hidden_size > 0, "vocab_size and hidden_size must be positive")
-        need(self.num_attention_heads % self.num_key_value_heads == 0,
-             f"num_attention_heads {self.num_attention_heads} not divisible by num_key_value_heads {self.num_key_value_heads}")
-        need(self.rotary_dim % 2 == 0 and 0 < self.rotary_dim <= self.head_dim,
-             f"partial_rotary_factor must give an even rotary width in [2, head_dim={self.head_dim}], got {self.rotary_dim}")
-        need(self.n_routed_experts % self.n_group == 0, f"n_routed_experts {self.n_routed_experts} not divisible by n_group {self.n_group}")
-        need(1 <= self.topk_group <= self.n_group, f"topk_group must be in [1, n_group={self.n_group}], got {self.topk_group}")
+        need(
+            self.num_attention_heads % self.num_key_value_heads == 0,
+            f"num_attention_heads {self.num_attention_heads} not "
+            f"divisible by num_key_value_heads {self.num_key_value_heads}",
+        )
+        need(
+            self.rotary_dim % 2 == 0 and 0 < self.rotary_dim <= self.head_dim,
+            "partial_rotary_factor must give an even rotary width in "
+            f"[2, head_dim={self.head_dim}], got {self.rotary_dim}",
+        )
+        need(
+            self.n_routed_experts % self.n_group == 0,
+            f"n_routed_experts {self.n_routed_experts} not divisible by n_group {self.n_group}",
+        )
+        need(
+            1 <= self.topk_group <= self.n_group,
+            f"topk_group must be in [1, n_group={self.n_group}], got {self.topk_group}",
+        )
         per_group = self.n_routed_experts // self.n_group
-        need(per_group >= 2, f"n_routed_experts / n_group must be >= 2 (the group score sums each group's top 2), got {per_group}")
+        need(
+            per_group >= 2,
+            f"n_routed_experts / n_group must be >= 2 (the group score sums each group's top 2), got {per_group}",
+        )
         need(
             1 <= self.num_experts_per_tok <= per_group * self.topk_group,
             f"num_experts_per_tok must be in [1, {per_group * self.topk_group}], got {self.num_experts_per_tok}",
@@ -162,7 +188,9 @@ class GQA(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = self._rotate(q, ctx.rope, ctx.cos[:, :, None], ctx.sin[:, :, None])
         k = self._rotate(k, ctx.rope, ctx.cos[:, :, None], ctx.sin[:, :, None])
-        kv = ctx.store_and_read(layer, torch.cat([k.flatten(2), v.flatten(2)], dim=-1))  # [B, S, 2 * nkv * hd]
+        kv = ctx.store_and_read(
+            layer, torch.cat([k.flatten(2), v.flatten(2)], dim=-1)
+        )  # [B, S, 2 * nkv * hd]
         out = kv_attention(q, kv, ctx.visible, hd**-0.5)
         return self.o_proj(out.reshape(b, t, nh * hd))
 

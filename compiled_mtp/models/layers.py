@@ -48,6 +48,8 @@ class RMSNorm(nn.Module):
 class Rope(nn.Module):
     """Rotary embedding over `dim` channels, with optional YaRN frequency scaling."""
 
+    inv_freq: Tensor
+
     def __init__(self, rope: RopeConfig, dim: int, interleave: bool) -> None:
         super().__init__()
         self.interleave = interleave
@@ -56,7 +58,9 @@ class Rope(nn.Module):
 
     def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         freqs = positions.float()[..., None] * self.inv_freq
-        return (freqs.cos() * self.attention_factor).to(dtype), (freqs.sin() * self.attention_factor).to(dtype)
+        return (freqs.cos() * self.attention_factor).to(dtype), (freqs.sin() * self.attention_factor).to(
+            dtype
+        )
 
     def __call__(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         # Interleaved checkpoints rotate (x0, x1), (x2, x3), ...; either way the output is laid out
@@ -79,7 +83,11 @@ def _rope_frequencies(rope: RopeConfig, dim: int) -> tuple[Tensor, float]:
         factor = yarn_mscale(rope.factor)
 
     def correction_dim(rotations: float) -> float:
-        return dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+        return (
+            dim
+            * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi))
+            / (2 * math.log(rope.theta))
+        )
 
     low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
     if rope.truncate:
@@ -130,7 +138,8 @@ class Experts(nn.Module):
         4 / 128 / 512 rows, every expert masked 5.1 / 17.5 / 60 ms; so past 512 rows (training
         batches) the experts run masked.
         """
-        if self.gathers(*idx.shape, x.device):
+        rows, k = idx.shape
+        if self.gathers(rows, k, x.device):
             return self.gathered(x, idx, weights)
         return self.masked(x, idx, weights)
 
@@ -143,12 +152,18 @@ class Experts(nn.Module):
         return gathered_experts(x, idx, weights, self.gate_proj, self.up_proj, self.down_proj)
 
     def masked(self, x: Tensor, idx: Tensor, weights: Tensor) -> Tensor:
-        dense = torch.zeros(x.shape[0], self.gate_proj.shape[0], dtype=weights.dtype, device=x.device).scatter_(1, idx, weights)
-        act = F.silu(torch.einsum("nh,eih->nei", x, self.gate_proj)) * torch.einsum("nh,eih->nei", x, self.up_proj)
+        dense = torch.zeros(
+            x.shape[0], self.gate_proj.shape[0], dtype=weights.dtype, device=x.device
+        ).scatter_(1, idx, weights)
+        act = F.silu(torch.einsum("nh,eih->nei", x, self.gate_proj)) * torch.einsum(
+            "nh,eih->nei", x, self.up_proj
+        )
         return torch.einsum("nei,ehi,ne->nh", act, self.down_proj, dense)
 
 
-def gathered_experts(x: Tensor, idx: Tensor, weights: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
+def gathered_experts(
+    x: Tensor, idx: Tensor, weights: Tensor, gate: Tensor, up: Tensor, down: Tensor
+) -> Tensor:
     """Each row's k experts gathered and applied: x [N, H], idx / weights [N, k], gate / up [E, I, H],
     down [E, H, I] -> [N, H]."""
     act = F.silu(torch.einsum("nh,nkih->nki", x, gate[idx])) * torch.einsum("nh,nkih->nki", x, up[idx])
@@ -158,11 +173,15 @@ def gathered_experts(x: Tensor, idx: Tensor, weights: Tensor, gate: Tensor, up: 
 class Router(nn.Module):
     """Sigmoid scores; `e_score_correction_bias` steers selection only; group-limited top-k."""
 
+    e_score_correction_bias: Tensor
+
     def __init__(self, cfg: Any) -> None:
         super().__init__()
         self.cfg = cfg
         self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size), requires_grad=False)
-        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+        self.register_buffer(
+            "e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32)
+        )
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """x [N, H] -> (expert indices [N, k], routing weights [N, k] float32)."""
@@ -189,7 +208,9 @@ class MoE(nn.Module):
         self.gate = Router(cfg)
         self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         self.shared_experts = (
-            MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts) if cfg.n_shared_experts else None
+            MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+            if cfg.n_shared_experts
+            else None
         )
 
     def forward(self, x: Tensor) -> Tensor:
@@ -248,10 +269,20 @@ class RowCache:
     def __init__(self, width: int) -> None:
         self.width = width
 
-    def allocate(self, num_layers: int, num_slots: int, max_seq_len: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    def allocate(
+        self, num_layers: int, num_slots: int, max_seq_len: int, dtype: torch.dtype, device: torch.device
+    ) -> Tensor:
         return torch.zeros(num_layers, num_slots, max_seq_len, self.width, dtype=dtype, device=device)
 
-    def store_and_read(self, cache: Tensor, layer: int, entry: Tensor, write_slot: Tensor, write_position: Tensor, slots: Tensor) -> Tensor:
+    def store_and_read(
+        self,
+        cache: Tensor,
+        layer: int,
+        entry: Tensor,
+        write_slot: Tensor,
+        write_position: Tensor,
+        slots: Tensor,
+    ) -> Tensor:
         """Writes the rows' entries [B, T, D] to the cache of `layer` at (write_slot, write_position),
         then returns that layer's entries for the rows' slots [B, S, D].
 
@@ -269,7 +300,16 @@ class Context:
     """What every layer of one forward shares: the cache and its layout, rope tables, where each row
     writes (slot, position), the rows' slots and the visibility mask."""
 
-    def __init__(self, rope: Rope, layout: RowCache, positions: Tensor, write_index: Tensor, slots: Tensor, cache: Tensor, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        rope: Rope,
+        layout: RowCache,
+        positions: Tensor,
+        write_index: Tensor,
+        slots: Tensor,
+        cache: Tensor,
+        dtype: torch.dtype,
+    ) -> None:
         self.rope = rope
         self.cos, self.sin = rope.cos_sin(positions, dtype)
         self.layout = layout
@@ -284,7 +324,9 @@ class Context:
     def store_and_read(self, layer: int, entry: Tensor) -> Tensor:
         """Writes the rows' entries [B, T, D] to the cache of `layer`, then returns that layer's
         entries for the rows' slots [B, S, D]."""
-        return self.layout.store_and_read(self.cache, layer, entry, self.write_slot, self.write_position, self.slots)
+        return self.layout.store_and_read(
+            self.cache, layer, entry, self.write_slot, self.write_position, self.slots
+        )
 
 
 class Backbone(nn.Module):
@@ -293,9 +335,11 @@ class Backbone(nn.Module):
 
     def __init__(self, cfg: Any, attention: Callable[[], nn.Module], mtp_moe: bool) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+        self.embed_tokens = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
+        )
         self.embed_tokens.weight.requires_grad_(False)
         target = [DecoderLayer(cfg, attention(), cfg.is_moe_layer(i)) for i in range(cfg.num_hidden_layers)]
         mtp = [MTPLayer(cfg, attention(), mtp_moe) for _ in range(cfg.num_nextn_predict_layers)]
-        self.layers = nn.ModuleList(target + mtp)
+        self.layers = nn.ModuleList([*target, *mtp])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

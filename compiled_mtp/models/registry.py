@@ -15,8 +15,17 @@ from .glm4_moe import Glm4Moe, Glm4MoeConfig
 FAMILIES: dict[str, Family] = {
     f.model_type: f
     for f in (
-        Family("DeepSeek-V3", "deepseek_v3", ("DeepseekV3ForCausalLM",), ModelConfig, DeepseekV3, "DeepseekV3ForCausalLM"),
-        Family("GLM-4 MoE", "glm4_moe", ("Glm4MoeForCausalLM",), Glm4MoeConfig, Glm4Moe, "Glm4MoeForCausalLM"),
+        Family(
+            "DeepSeek-V3",
+            "deepseek_v3",
+            ("DeepseekV3ForCausalLM",),
+            ModelConfig,
+            DeepseekV3,
+            "DeepseekV3ForCausalLM",
+        ),
+        Family(
+            "GLM-4 MoE", "glm4_moe", ("Glm4MoeForCausalLM",), Glm4MoeConfig, Glm4Moe, "Glm4MoeForCausalLM"
+        ),
     )
 }
 
@@ -26,10 +35,15 @@ def family_of(raw: dict[str, Any], source: str = "config.json") -> Family:
     field and the supported values."""
     family = FAMILIES.get(raw.get("model_type"))  # type: ignore[arg-type]
     if family is None:
-        raise CheckpointError(f"{source}: model_type {raw.get('model_type')!r} is not supported (supported: {', '.join(FAMILIES)})")
+        raise CheckpointError(
+            f"{source}: model_type {raw.get('model_type')!r} is not supported (supported: {', '.join(FAMILIES)})"
+        )
     archs = raw.get("architectures") or list(family.architectures)
     if not any(a in family.architectures for a in archs):
-        raise CheckpointError(f"{source}: architectures {archs} not supported for {family.model_type} (supported: {', '.join(family.architectures)})")
+        raise CheckpointError(
+            f"{source}: architectures {archs} not supported for "
+            f"{family.model_type} (supported: {', '.join(family.architectures)})"
+        )
     return family
 
 

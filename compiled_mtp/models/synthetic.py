@@ -41,40 +41,94 @@ PRESETS: dict[str, dict] = {
     # A few MB: the demo before a trained default exists, and quick checks.
     "tiny": {
         **_DEEPSEEK_V3,
-        "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
-        "num_hidden_layers": 4, "num_attention_heads": 4, "q_lora_rank": 48, "kv_lora_rank": 32,
-        "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 8,
-        "n_shared_experts": 1, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
-        "first_k_dense_replace": 1, "routed_scaling_factor": 2.5, "max_position_embeddings": 4096,
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "q_lora_rank": 48,
+        "kv_lora_rank": 32,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "n_group": 2,
+        "topk_group": 1,
+        "first_k_dense_replace": 1,
+        "routed_scaling_factor": 2.5,
+        "max_position_embeddings": 4096,
     },
     # About 250M parameters with DeepSeek-V3's proportions and its 129280-token vocabulary.
     "250m": {
         **_DEEPSEEK_V3,
-        "vocab_size": 129280, "hidden_size": 768, "intermediate_size": 2048, "moe_intermediate_size": 256,
-        "num_hidden_layers": 8, "num_attention_heads": 12, "q_lora_rank": 384, "kv_lora_rank": 256,
-        "qk_nope_head_dim": 64, "qk_rope_head_dim": 32, "v_head_dim": 64, "n_routed_experts": 16,
-        "n_shared_experts": 1, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2,
-        "first_k_dense_replace": 1, "routed_scaling_factor": 2.5, "max_position_embeddings": 4096,
+        "vocab_size": 129280,
+        "hidden_size": 768,
+        "intermediate_size": 2048,
+        "moe_intermediate_size": 256,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 12,
+        "q_lora_rank": 384,
+        "kv_lora_rank": 256,
+        "qk_nope_head_dim": 64,
+        "qk_rope_head_dim": 32,
+        "v_head_dim": 64,
+        "n_routed_experts": 16,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 4,
+        "n_group": 4,
+        "topk_group": 2,
+        "first_k_dense_replace": 1,
+        "routed_scaling_factor": 2.5,
+        "max_position_embeddings": 4096,
     },
     # DeepSeek-V3's draft-to-target proportion: one draft step (the MTP layer, eh_proj and the LM head)
     # reads 0.057 of the weight bytes a target forward reads (DeepSeek-V3: about 0.04), through 30
     # MoE layers; 1.0B parameters, 4.1 GB at float32.
     "dsv3-proportions": {
         **_DEEPSEEK_V3,
-        "vocab_size": 8192, "hidden_size": 1024, "intermediate_size": 2816, "moe_intermediate_size": 1024,
-        "num_hidden_layers": 30, "num_attention_heads": 8, "q_lora_rank": 384, "kv_lora_rank": 256,
-        "qk_nope_head_dim": 64, "qk_rope_head_dim": 32, "v_head_dim": 64, "n_routed_experts": 8,
-        "n_shared_experts": 2, "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2,
-        "first_k_dense_replace": 1, "routed_scaling_factor": 2.5, "max_position_embeddings": 4096,
+        "vocab_size": 8192,
+        "hidden_size": 1024,
+        "intermediate_size": 2816,
+        "moe_intermediate_size": 1024,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 8,
+        "q_lora_rank": 384,
+        "kv_lora_rank": 256,
+        "qk_nope_head_dim": 64,
+        "qk_rope_head_dim": 32,
+        "v_head_dim": 64,
+        "n_routed_experts": 8,
+        "n_shared_experts": 2,
+        "num_experts_per_tok": 2,
+        "n_group": 4,
+        "topk_group": 2,
+        "first_k_dense_replace": 1,
+        "routed_scaling_factor": 2.5,
+        "max_position_embeddings": 4096,
     },
     # GLM-4.5's layout at the tiny preset's size: GQA with 4 query heads on 2 KV heads of 32 channels,
     # half of each rotated, q/k/v bias, the first layer dense.
     "glm-tiny": {
         **_GLM4_MOE,
-        "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
-        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
-        "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
-        "first_k_dense_replace": 1, "routed_scaling_factor": 2.5, "max_position_embeddings": 4096,
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "n_group": 2,
+        "topk_group": 1,
+        "first_k_dense_replace": 1,
+        "routed_scaling_factor": 2.5,
+        "max_position_embeddings": 4096,
     },
 }
 
@@ -84,12 +138,16 @@ def preset_config(name: str) -> dict:
     if name not in PRESETS:
         raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {name!r}")
     config = dict(PRESETS[name])
-    config.setdefault("num_key_value_heads", config["num_attention_heads"])  # MLA: every head has its own key and value
+    config.setdefault(
+        "num_key_value_heads", config["num_attention_heads"]
+    )  # MLA: every head has its own key and value
     return config
 
 
 @torch.no_grad()
-def write_random_checkpoint(path: str | Path, config: dict, *, seed: int = 0, std: float = 0.05, dtype: torch.dtype = torch.float32) -> Path:
+def write_random_checkpoint(
+    path: str | Path, config: dict, *, seed: int = 0, std: float = 0.05, dtype: torch.dtype = torch.float32
+) -> Path:
     """Write a seeded random checkpoint of `config` in its family's released layout."""
     family = family_of(config)
     gen = torch.Generator().manual_seed(seed)

@@ -20,15 +20,22 @@ from ..graphs.sampling import sample_from_probs
 from .greedy_sample import greedy_verify
 from .verify_sample import filtered_rows, request_kinds, rows_of, softmax_rows
 
-
 # Defined and implemented directly, like the verify op: it runs in every draft step.
-torch.library.define("compiled_mtp::draft_sample", "(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor u) -> (Tensor, Tensor)")
+torch.library.define(
+    "compiled_mtp::draft_sample",
+    "(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor u) -> (Tensor, Tensor)",
+)
 
 
-def draft_sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
+def draft_sample(
+    logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, u: Tensor
+) -> tuple[Tensor, Tensor]:
     """Arguments and results as `graphs.sampling.draft_sample`: (tokens [B], q float32 [B, V])."""
     batch, vocab = logits.shape
-    no_drafts, no_draft_probs = u.new_empty(batch, 0, dtype=torch.long), u.new_empty(batch, 0, vocab)  # a draft step verifies none
+    no_drafts, no_draft_probs = (
+        u.new_empty(batch, 0, dtype=torch.long),
+        u.new_empty(batch, 0, vocab),
+    )  # a draft step verifies none
     greedy = greedy_verify(logits[:, None], temperature, no_drafts, no_draft_probs, u[:, None])
     if greedy is not None:
         tokens = greedy[1][:, 0]
@@ -55,4 +62,6 @@ torch.library.impl("compiled_mtp::draft_sample", "CPU", draft_sample)
 
 @torch.library.register_fake("compiled_mtp::draft_sample")
 def _(logits, temperature, top_k, top_p, u):
-    return logits.new_empty(logits.shape[0], dtype=torch.long), logits.new_empty(logits.shape, dtype=torch.float32)
+    return logits.new_empty(logits.shape[0], dtype=torch.long), logits.new_empty(
+        logits.shape, dtype=torch.float32
+    )

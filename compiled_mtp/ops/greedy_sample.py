@@ -20,7 +20,14 @@ def greedy_verify(
     greedy, the logits are CPU float32 and the ops are built; None otherwise (the caller then takes
     its general path). Arguments as that function's, less top_k and top_p, which greedy requests
     ignore."""
-    if not (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.numel() and library.available()):
+    if not (
+        logits.device.type == "cpu"
+        and logits.dtype == torch.float32
+        and logits.numel()
+        and library.available()
+    ):
         return None
-    num_accepted, tokens, done = torch.ops.compiled_mtp.greedy_sample.default(logits, temperature, drafts, draft_probs, noise)
+    num_accepted, tokens, done = torch.ops.compiled_mtp.greedy_sample.default(
+        logits, temperature, drafts, draft_probs, noise
+    )
     return (num_accepted, tokens) if done.item() else None

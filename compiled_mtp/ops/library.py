@@ -56,12 +56,21 @@ def load() -> bool:
     try:
         build.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(
-            name=name, sources=[str(p) for p in sources()], extra_cflags=_flags(), build_directory=str(build),
-            extra_ldflags=["-fopenmp"], extra_include_paths=[str(CSRC)], is_python_module=False, verbose=False,
+            name=name,
+            sources=[str(p) for p in sources()],
+            extra_cflags=_flags(),
+            build_directory=str(build),
+            extra_ldflags=["-fopenmp"],
+            extra_include_paths=[str(CSRC)],
+            is_python_module=False,
+            verbose=False,
         )
     except Exception as error:
         lines = str(error).strip().splitlines() or [type(error).__name__]
-        warnings.warn(f"compiled_mtp: the C++ ops did not build ({lines[0]}); their regions stay as traced", stacklevel=2)
+        warnings.warn(
+            f"compiled_mtp: the C++ ops did not build ({lines[0]}); their regions stay as traced",
+            stacklevel=2,
+        )
         return False
     return True
 

@@ -66,13 +66,17 @@ def pack_linears(model: nn.Module, min_size: int = 0) -> int:
 
 def _pack(weight: Tensor) -> _Packed:
     with torch.no_grad():
-        return _Packed(weakref.ref(weight), weight._version, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS))
+        return _Packed(
+            weakref.ref(weight),
+            weight._version,
+            torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS),
+        )
 
 
 def _lookup(weight: Tensor) -> Tensor | None:
     entry = _PACKED.get(weight.data_ptr())
     owner = entry.weight() if entry is not None else None
-    if owner is None or not weight.is_contiguous() or weight.shape != owner.shape:
+    if entry is None or owner is None or not weight.is_contiguous() or weight.shape != owner.shape:
         return None
     if owner._version != entry.version:  # written in place since it was packed
         entry = _PACKED[weight.data_ptr()] = _pack(owner)

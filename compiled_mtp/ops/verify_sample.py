@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Protocol
 
 import torch
@@ -43,19 +44,28 @@ SPARE_BUCKETS = 1
 # replays the rest of a CUDA graph around it.
 torch.library.define(
     "compiled_mtp::verify_sample",
-    "(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor drafts, Tensor draft_probs, Tensor noise) -> (Tensor, Tensor)",
+    "(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, "
+    "Tensor drafts, Tensor draft_probs, Tensor noise) -> (Tensor, Tensor)",
     tags=(torch.Tag.cudagraph_unsafe,),
 )
 
 
 def verify_sample(
-    logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, drafts: Tensor, draft_probs: Tensor, noise: Tensor
+    logits: Tensor,
+    temperature: Tensor,
+    top_k: Tensor,
+    top_p: Tensor,
+    drafts: Tensor,
+    draft_probs: Tensor,
+    noise: Tensor,
 ) -> tuple[Tensor, Tensor]:
     """Arguments and results as `graphs.sampling.verify_sample`: (num_accepted [B], tokens [B, K+1])."""
     greedy = greedy_verify(logits, temperature, drafts, draft_probs, noise)
     if greedy is not None:
         return greedy
-    return verify_by_kind(softmax_rows, filtered_rows, logits, temperature, top_k, top_p, drafts, draft_probs, noise)
+    return verify_by_kind(
+        softmax_rows, filtered_rows, logits, temperature, top_k, top_p, drafts, draft_probs, noise
+    )
 
 
 torch.library.impl("compiled_mtp::verify_sample", "CPU", verify_sample)
@@ -68,8 +78,15 @@ def _(logits, temperature, top_k, top_p, drafts, draft_probs, noise):
 
 
 def verify_by_kind(
-    plain: Callable[[Tensor, Tensor], Rows], filtered: Callable[[Tensor, Tensor, Tensor, Tensor], Rows],
-    logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, drafts: Tensor, draft_probs: Tensor, noise: Tensor,
+    plain: Callable[[Tensor, Tensor], Rows],
+    filtered: Callable[[Tensor, Tensor, Tensor, Tensor], Rows],
+    logits: Tensor,
+    temperature: Tensor,
+    top_k: Tensor,
+    top_p: Tensor,
+    drafts: Tensor,
+    draft_probs: Tensor,
+    noise: Tensor,
 ) -> tuple[Tensor, Tensor]:
     """The op, given how a device reads the rows of requests sampled at a temperature alone
     (`plain(logits, temperature)`) and of those with top-k or top-p (`filtered(logits, t, k, p)`);
@@ -84,7 +101,9 @@ def verify_by_kind(
     return verify(groups, drafts, draft_probs, noise)
 
 
-def request_kinds(temperature: Tensor, top_k: Tensor, top_p: Tensor, vocab: int) -> tuple[Tensor, Tensor, Tensor]:
+def request_kinds(
+    temperature: Tensor, top_k: Tensor, top_p: Tensor, vocab: int
+) -> tuple[Tensor, Tensor, Tensor]:
     """The indices of the greedy requests, of those sampled at a temperature alone, and of those with
     top-k or top-p: each kind takes its own path."""
     greedy = temperature <= 0
@@ -135,7 +154,9 @@ class Probs(Rows):
         return residual_draw(self.probs[torch.arange(len(a), device=a.device), a], q_a(), u)
 
 
-def verify(groups: list[tuple[Tensor, Rows]], drafts: Tensor, draft_probs: Tensor, noise: Tensor) -> tuple[Tensor, Tensor]:
+def verify(
+    groups: list[tuple[Tensor, Rows]], drafts: Tensor, draft_probs: Tensor, noise: Tensor
+) -> tuple[Tensor, Tensor]:
     """The accept test and the final draw of every request, each group of requests [R] read through its Rows."""
     batch, k = drafts.shape
     p_draft = noise.new_zeros(batch, k)
@@ -147,7 +168,7 @@ def verify(groups: list[tuple[Tensor, Rows]], drafts: Tensor, draft_probs: Tenso
     final = torch.empty(batch, dtype=torch.long, device=drafts.device)
     for requests, rows in groups:
         a = num_accepted[requests]
-        final[requests] = rows.final(a, lambda: _draft_row(draft_probs, requests, a), noise[requests, k])
+        final[requests] = rows.final(a, partial(_draft_row, draft_probs, requests, a), noise[requests, k])
     return num_accepted, committed_tokens(accepted, drafts, final)
 
 
@@ -181,7 +202,12 @@ def filtered_rows(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Ten
     out, unsure = _filter_candidates(probs, k, p, _candidate_threshold(probs, k, p))
     todo = unsure.nonzero().squeeze(1)
     if len(todo):
-        out[todo] = processed_probs(logits.reshape(n * rows, vocab)[todo], temperature.repeat_interleave(rows)[todo], k[todo, 0], p[todo, 0])
+        out[todo] = processed_probs(
+            logits.reshape(n * rows, vocab)[todo],
+            temperature.repeat_interleave(rows)[todo],
+            k[todo, 0],
+            p[todo, 0],
+        )
     return Probs(out.view(n, rows, vocab))
 
 
@@ -232,7 +258,9 @@ def _padded_candidates(probs: Tensor, is_candidate: Tensor) -> tuple[Tensor, Ten
     """Each row's candidates packed to the front of [R, most candidates in a row]: (token ids in
     ascending order, their probabilities, -1 past the row's last), and the count per row [R, 1]."""
     row, ids = is_candidate.nonzero(as_tuple=True)
-    count = torch.bincount(row, minlength=len(probs))[:, None]  # not is_candidate.sum(): that copies it to int64 first
+    count = torch.bincount(row, minlength=len(probs))[
+        :, None
+    ]  # not is_candidate.sum(): that copies it to int64 first
     first = (count.cumsum(0) - count).squeeze(1)
     position = torch.arange(len(ids)) - first[row]
     width = int(count.max())

@@ -36,10 +36,18 @@ def available() -> bool:
 
 
 def verify_sample_triton(
-    logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, drafts: Tensor, draft_probs: Tensor, noise: Tensor
+    logits: Tensor,
+    temperature: Tensor,
+    top_k: Tensor,
+    top_p: Tensor,
+    drafts: Tensor,
+    draft_probs: Tensor,
+    noise: Tensor,
 ) -> tuple[Tensor, Tensor]:
     """Arguments and results as `graphs.sampling.verify_sample`."""
-    return verify_by_kind(OnlineSoftmax.of, _traced_rows, logits, temperature, top_k, top_p, drafts, draft_probs, noise)
+    return verify_by_kind(
+        OnlineSoftmax.of, _traced_rows, logits, temperature, top_k, top_p, drafts, draft_probs, noise
+    )
 
 
 def _traced_rows(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Probs:
@@ -64,7 +72,9 @@ class OnlineSoftmax(Rows):
         temperature = temperature.float().contiguous()
         row_max, row_sum = (logits.new_empty(requests, rows) for _ in range(2))
         if requests:
-            _row_stats[(requests * rows,)](logits, temperature, row_max, row_sum, vocab, ROWS=rows, BLOCK=BLOCK)
+            _row_stats[(requests * rows,)](
+                logits, temperature, row_max, row_sum, vocab, ROWS=rows, BLOCK=BLOCK
+            )
         return cls(logits, temperature, row_max, row_sum)
 
     def p_draft(self, drafts: Tensor) -> Tensor:
@@ -75,11 +85,21 @@ class OnlineSoftmax(Rows):
         requests, _, vocab = self.logits.shape
         if not requests:
             return a.new_empty(0)
-        pick = torch.arange(requests, device=a.device), a  # row a of each request, gathered into fresh contiguous tensors
+        pick = (
+            torch.arange(requests, device=a.device),
+            a,
+        )  # row a of each request, gathered into fresh contiguous tensors
         tokens = torch.empty(requests, dtype=torch.long, device=a.device)
         _final_draw[(requests,)](
-            self.logits[pick], self.temperature, self.row_max[pick], self.row_sum[pick], q_a().contiguous(), u.float().contiguous(),
-            tokens, vocab, BLOCK=BLOCK,
+            self.logits[pick],
+            self.temperature,
+            self.row_max[pick],
+            self.row_sum[pick],
+            q_a().contiguous(),
+            u.float().contiguous(),
+            tokens,
+            vocab,
+            BLOCK=BLOCK,
         )
         return tokens
 
@@ -87,7 +107,9 @@ class OnlineSoftmax(Rows):
 if triton is not None:
 
     @triton.jit
-    def _row_stats(logits_ptr, temperature_ptr, max_ptr, sum_ptr, vocab, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    def _row_stats(
+        logits_ptr, temperature_ptr, max_ptr, sum_ptr, vocab, ROWS: tl.constexpr, BLOCK: tl.constexpr
+    ):
         """One program per row: max and sum of exp(x - max) of x = logits / T, in one read."""
         row = tl.program_id(0)
         t = tl.load(temperature_ptr + row // ROWS)
@@ -111,7 +133,9 @@ if triton is not None:
         return p, tl.maximum(p - q, 0.0)
 
     @triton.jit
-    def _final_draw(logits_ptr, temperature_ptr, max_ptr, sum_ptr, q_ptr, u_ptr, out_ptr, vocab, BLOCK: tl.constexpr):
+    def _final_draw(
+        logits_ptr, temperature_ptr, max_ptr, sum_ptr, q_ptr, u_ptr, out_ptr, vocab, BLOCK: tl.constexpr
+    ):
         """One program per request, on its row a: a token from normalize(max(p - q, 0)), from p if
         that is empty, as `graphs.sampling.residual_draw`: the first index whose cumulative mass
         exceeds u * total, capped at the last token with mass."""

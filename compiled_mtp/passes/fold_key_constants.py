@@ -18,6 +18,7 @@ import hashlib
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import fx
@@ -40,7 +41,9 @@ class FoldKeyConstants(CustomGraphPass):
             name = folded_name(value)
             if name not in constants:
                 _remember(name, value)
-                graph.owning_module.register_buffer(name, value)
+                module = graph.owning_module
+                assert module is not None, "post-grad graphs belong to a GraphModule"
+                module.register_buffer(name, value)
                 with graph.inserting_before(next(n for n in graph.nodes if n.op != "placeholder")):
                     constants[name] = graph.get_attr(name)
                 constants[name].meta.update(val=node.meta["val"], tensor_meta=node.meta.get("tensor_meta"))
@@ -69,14 +72,18 @@ def frontier(graph: fx.Graph) -> list[fx.Node]:
 
 
 def _random(node: fx.Node) -> bool:
-    return isinstance(node.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags
+    return (
+        isinstance(node.target, torch._ops.OpOverload)
+        and torch.Tag.nondeterministic_seeded in node.target.tags
+    )
 
 
 def _evaluate(node: fx.Node) -> torch.Tensor:
     """Run `node` and its (key-only) inputs on real tensors."""
-    env: dict[fx.Node, object] = {}
+    env: dict[fx.Node, Any] = {}
     for n in upstream([node]):
         args, kwargs = tree_map_only(fx.Node, env.__getitem__, (n.args, n.kwargs))
+        assert callable(n.target), "key-only values are computed by calls, not read from attributes"
         env[n] = n.target(*args, **kwargs)
     return env[node].clone()
 
@@ -85,7 +92,9 @@ def folded_name(value: torch.Tensor) -> str:
     """The constant's name: a digest of everything about its value."""
     data = value.detach().cpu().contiguous()
     meta = f"{data.dtype}:{tuple(data.shape)}:{value.stride()}:{value.device.type}".encode()
-    return PREFIX + hashlib.sha256(meta + data.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+    return (
+        PREFIX + hashlib.sha256(meta + data.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+    )
 
 
 def folded_value(name: str) -> torch.Tensor | None:

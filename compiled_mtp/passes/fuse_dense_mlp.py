@@ -36,29 +36,41 @@ class FuseDenseMLP(RegionPass):
         return (MIN_ROWS, MAX_ROWS)
 
     def _check(self, inputs: list[fx.Node], outputs: list[fx.Node]) -> None:
-        if len(inputs) < self.arity[0]:  # a MoE layer's shared experts: Inductor joins their down product to the routed sum
+        if (
+            len(inputs) < self.arity[0]
+        ):  # a MoE layer's shared experts: Inductor joins their down product to the routed sum
             raise Unfusable("part of an MLP whose last product joined what follows it", expected=True)
         super()._check(inputs, outputs)
 
-    def roles(self, region: set[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]) -> tuple[list, list[fx.Node]]:
+    def roles(
+        self, region: set[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]
+    ) -> tuple[list, list[fx.Node]]:
         """(x, gate, up, down) -> out; gate and up told apart on probes."""
         out = outputs[0].meta["val"]
         rows = math.prod(out.shape[:-1])
         if not MIN_ROWS <= rows <= MAX_ROWS:
             raise Unfusable(f"{rows} row(s), outside [{MIN_ROWS}, {MAX_ROWS}]", expected=True)
-        candidates = [list(args) for args in itertools.permutations(inputs) if _fits(*(n.meta["val"] for n in args))]
+        candidates = [
+            list(args) for args in itertools.permutations(inputs) if _fits(*(n.meta["val"] for n in args))
+        ]
         return one_agreeing(inputs, outputs, candidates, self._agreement), outputs
 
     def _agreement(self, region: Region, args: list[fx.Node]) -> float:
         """1 if the op reproduces the region on seeded probes under `args`, else 0."""
         gen = torch.Generator().manual_seed(0)
-        values = [torch.randn(n.meta["val"].shape, generator=gen) * (1.0 if i == 0 else 0.1) for i, n in enumerate(args)]
+        values = [
+            torch.randn(n.meta["val"].shape, generator=gen) * (1.0 if i == 0 else 0.1)
+            for i, n in enumerate(args)
+        ]
         (expected,) = region(args, values)
         return float(torch.allclose(self.op(*values), expected, rtol=1e-4, atol=1e-4))
 
 
-def _fits(x, gate, up, down) -> bool:
+def _fits(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> bool:
     return (
-        gate.dim() == up.dim() == down.dim() == 2 and x.dim() >= 1 and gate.shape == up.shape
-        and gate.shape[1] == x.shape[-1] and tuple(down.shape) == (gate.shape[1], gate.shape[0])
+        gate.dim() == up.dim() == down.dim() == 2
+        and x.dim() >= 1
+        and gate.shape == up.shape
+        and gate.shape[1] == x.shape[-1]
+        and tuple(down.shape) == (gate.shape[1], gate.shape[0])
     )

@@ -18,9 +18,9 @@ import itertools
 import torch
 from torch import fx
 
-from . import probes
 from ..graphs.sampling import draft_sample
 from ..ops import draft_sample as op_module
+from . import probes
 from .probes import probe_logits, probe_params, probe_rounds
 from .region import Region, RegionPass, by_signature, one_agreeing
 
@@ -33,9 +33,15 @@ class FuseDraftSampling(RegionPass):
     arity = (5, 2)
     modules = (op_module, probes)
 
-    def roles(self, region: set[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]) -> tuple[list, list[fx.Node]]:
+    def roles(
+        self, region: set[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]
+    ) -> tuple[list, list[fx.Node]]:
         """(logits, temperature, top_k, top_p, u) -> (tokens, q)."""
-        (logits,), floats, (top_k,) = by_signature(inputs, {(2, True): 1, (1, True): 3, (1, False): 1}, "inputs (logits, temperature, top_k, top_p, u)")
+        (logits,), floats, (top_k,) = by_signature(
+            inputs,
+            {(2, True): 1, (1, True): 3, (1, False): 1},
+            "inputs (logits, temperature, top_k, top_p, u)",
+        )
         (tokens,), (q,) = by_signature(outputs, {(1, False): 1, (2, True): 1}, "outputs (tokens, q)")
         candidates = [[logits, t, top_k, p, u] for t, p, u in itertools.permutations(floats)]
         return one_agreeing(inputs, [tokens, q], candidates, self._agreement, _AGREEMENT), [tokens, q]
@@ -46,7 +52,11 @@ class FuseDraftSampling(RegionPass):
         batch, vocab = args[0].meta["val"].shape
         same = total = 0
         for probe in range(probe_rounds(batch)):
-            values = [probe_logits((batch, vocab), gen), *probe_params(batch, probe), torch.rand(batch, generator=gen)]
+            values = [
+                probe_logits((batch, vocab), gen),
+                *probe_params(batch, probe),
+                torch.rand(batch, generator=gen),
+            ]
             values = [v.to(a.meta["val"].dtype) for v, a in zip(values, args)]
             (tokens, q), (fused_tokens, fused_q) = region(args, values), self.op(*values)
             close = torch.isclose(q.float(), fused_q, rtol=1e-3, atol=1e-6).all(-1)

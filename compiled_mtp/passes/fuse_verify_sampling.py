@@ -19,10 +19,10 @@ import itertools
 import torch
 from torch import fx
 
-from . import probes
 from ..graphs.sampling import verify_sample
 from ..ops import verify_sample as op_module
 from ..ops import verify_sample_triton as triton_kernel  # registers the CUDA kernel where Triton is installed
+from . import probes
 from .probes import probe_logits, probe_params, probe_rounds
 from .region import Region, RegionPass, by_signature, one_agreeing
 
@@ -46,15 +46,20 @@ class FuseVerifySampling(RegionPass):
     def settings(self) -> tuple:
         return (FUSE_ON_CUDA,)
 
-    def roles(self, region: set[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]) -> tuple[list, list[fx.Node]]:
+    def roles(
+        self, region: set[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]
+    ) -> tuple[list, list[fx.Node]]:
         """(logits, temperature, top_k, top_p, drafts, draft_probs, noise) -> (num_accepted, tokens)."""
         three_d, floats, (top_k,), (drafts,), (noise,) = by_signature(
-            inputs, {(3, True): 2, (1, True): 2, (1, False): 1, (2, False): 1, (2, True): 1},
+            inputs,
+            {(3, True): 2, (1, True): 2, (1, False): 1, (2, False): 1, (2, True): 1},
             "inputs (logits, temperature, top_k, top_p, drafts, draft_probs, noise)",
         )
         logits, draft_probs = sorted(three_d, key=lambda n: -n.meta["val"].shape[1])  # logits have K+1 rows
         outputs = sorted(outputs, key=lambda n: n.meta["val"].dim())
-        candidates = [[logits, t, top_k, p, drafts, draft_probs, noise] for t, p in itertools.permutations(floats)]
+        candidates = [
+            [logits, t, top_k, p, drafts, draft_probs, noise] for t, p in itertools.permutations(floats)
+        ]
         return one_agreeing(inputs, outputs, candidates, self._agreement, _AGREEMENT), outputs
 
     def _agreement(self, region: Region, args: list[fx.Node]) -> float:
@@ -81,7 +86,21 @@ def _probe_inputs(args: list[fx.Node], probe: int, gen: torch.Generator) -> list
     logits = probe_logits((batch, rows, vocab), gen)
     temperature, top_k, top_p = probe_params(batch, probe)
     q = torch.softmax(torch.randn(batch, k, vocab, generator=gen) * 3, dim=-1)
-    drafts = torch.where(torch.rand(batch, k, generator=gen) < 0.7, logits[:, :k].argmax(-1), torch.randint(0, vocab, (batch, k), generator=gen))
+    drafts = torch.where(
+        torch.rand(batch, k, generator=gen) < 0.7,
+        logits[:, :k].argmax(-1),
+        torch.randint(0, vocab, (batch, k), generator=gen),
+    )
     noise = torch.rand(batch, rows, generator=gen)
-    values = [logits, temperature, top_k, top_p, drafts.to(drafts_val.dtype), q.to(probs_val.dtype), noise.to(noise_val.dtype)]
-    return [v.to(logits_val.device) for v in values]  # on the graph's device: that device's kernel is what runs
+    values = [
+        logits,
+        temperature,
+        top_k,
+        top_p,
+        drafts.to(drafts_val.dtype),
+        q.to(probs_val.dtype),
+        noise.to(noise_val.dtype),
+    ]
+    return [
+        v.to(logits_val.device) for v in values
+    ]  # on the graph's device: that device's kernel is what runs

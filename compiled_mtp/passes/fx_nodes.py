@@ -42,25 +42,40 @@ def calls_of(graph: fx.Graph, fn: Callable) -> Iterator[tuple[set[fx.Node], list
     (`torch.fx.traceback.annotate` markers would be explicit, but do not survive the export.)
     Nodes Inductor created without a trace join when all their users are in the region."""
     order = {n: i for i, n in enumerate(graph.nodes)}
-    for region in sorted(connected_parts(_traced_region(graph, _frame(fn))), key=lambda part: min(map(order.__getitem__, part))):
-        yield region, *boundary(graph, region)  # in graph order, so that the ops' node names do not vary from run to run
+    for region in sorted(
+        connected_parts(_traced_region(graph, _frame(fn))), key=lambda part: min(map(order.__getitem__, part))
+    ):
+        yield (
+            region,
+            *boundary(graph, region),
+        )  # in graph order, so that the ops' node names do not vary from run to run
 
 
 def _frame(fn: Callable) -> re.Pattern:
     """The stack-trace line of a frame of `fn`: its file's last two path parts, any line, its name."""
     path = Path(fn.__code__.co_filename)
-    return re.compile(rf'{re.escape(path.parent.name)}[/\\]{re.escape(path.name)}", line \d+, in {re.escape(fn.__name__)}\n')
+    return re.compile(
+        rf'{re.escape(path.parent.name)}[/\\]{re.escape(path.name)}", line \d+, in {re.escape(fn.__name__)}\n'
+    )
 
 
 def _traced_region(graph: fx.Graph, frame: re.Pattern) -> set[fx.Node]:
     """The nodes traced inside a function, found by `frame` in their stack traces, and the nodes
     Inductor created without a trace whose users are all in the region."""
-    region = {n for n in graph.nodes if n.op == "call_function" and frame.search(n.meta.get("stack_trace") or "")}
+    region = {
+        n for n in graph.nodes if n.op == "call_function" and frame.search(n.meta.get("stack_trace") or "")
+    }
     grown = bool(region)
     while grown:
         grown = False
         for n in graph.nodes:
-            if n.op == "call_function" and n not in region and not n.meta.get("stack_trace") and n.users and set(n.users) <= region:
+            if (
+                n.op == "call_function"
+                and n not in region
+                and not n.meta.get("stack_trace")
+                and n.users
+                and set(n.users) <= region
+            ):
                 region.add(n)
                 grown = True
     return region
@@ -162,7 +177,9 @@ class LinearNode:
 
 def on_cpu_float32(*nodes: fx.Node) -> bool:
     vals = [n.meta.get("val") for n in nodes]
-    return all(isinstance(v, torch.Tensor) and v.device.type == "cpu" and v.dtype == torch.float32 for v in vals)
+    return all(
+        isinstance(v, torch.Tensor) and v.device.type == "cpu" and v.dtype == torch.float32 for v in vals
+    )
 
 
 def replace(node: fx.Node, build: Callable[[fx.Graph], fx.Node]) -> None:
@@ -179,18 +196,26 @@ def linears(graph: fx.Graph) -> list[LinearNode]:
     """Every linear of `graph` on a weight the graph reads, in graph order."""
     found = []
     for node in graph.nodes:
-        if node.op != "call_function" or node.kwargs or node.target not in (aten.mm.default, aten.addmm.default):
+        if (
+            node.op != "call_function"
+            or node.kwargs
+            or node.target not in (aten.mm.default, aten.addmm.default)
+        ):
             continue
         added, x, weight_t = (None, *node.args) if node.target is aten.mm.default else node.args
-        if not (isinstance(weight_t, fx.Node) and weight_t.target is aten.permute.default and list(weight_t.args[1]) == [1, 0]):
+        if not (
+            isinstance(weight_t, fx.Node)
+            and weight_t.target is aten.permute.default
+            and weight_t.args[1] in ([1, 0], (1, 0))
+        ):
             continue
         weight = weight_t.args[0]
-        if weight.op in ("placeholder", "get_attr"):
+        if isinstance(weight, fx.Node) and weight.op in ("placeholder", "get_attr"):
             found.append(LinearNode(node, x, weight, added))
     return found
 
 
-def call(graph: fx.Graph, target: Callable, *args: object, **kwargs: object) -> fx.Node:
+def call(graph: fx.Graph, target: Callable, *args: fx.node.Argument, **kwargs: fx.node.Argument) -> fx.Node:
     """A new call_function node, with its value's metadata computed from its inputs' fake values."""
     node = graph.call_function(target, args, kwargs)
     vals = tree_map_only(fx.Node, lambda n: n.meta.get("val"), args)

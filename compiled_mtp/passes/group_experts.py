@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 
 import torch
-from torch import fx
+from torch import Tensor, fx
 
 from ..models.layers import gathered_experts
 from .region import Region, RegionPass, Unfusable, by_signature, one_agreeing
@@ -39,13 +39,21 @@ class GroupExperts(RegionPass):
     def settings(self) -> tuple:
         return (MIN_ROWS,)
 
-    def roles(self, region: set[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]) -> tuple[list, list[fx.Node]]:
+    def roles(
+        self, region: set[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]
+    ) -> tuple[list, list[fx.Node]]:
         """(x, idx, weights, gate, up, down) -> out; gate and up told apart on probes."""
         out = outputs[0].meta["val"]
         if out.dim() == 2 and out.shape[0] < MIN_ROWS:
             raise Unfusable(f"{out.shape[0]} row(s), fewer than MIN_ROWS ({MIN_ROWS})", expected=True)
-        two_d, (idx,), three_d = by_signature(inputs, {(2, True): 2, (2, False): 1, (3, True): 3}, "inputs (x, idx, weights, gate, up, down)")
-        candidates = [[x, idx, w, gate, up, down] for x, w in itertools.permutations(two_d) for gate, up, down in itertools.permutations(three_d)]
+        two_d, (idx,), three_d = by_signature(
+            inputs, {(2, True): 2, (2, False): 1, (3, True): 3}, "inputs (x, idx, weights, gate, up, down)"
+        )
+        candidates = [
+            [x, idx, w, gate, up, down]
+            for x, w in itertools.permutations(two_d)
+            for gate, up, down in itertools.permutations(three_d)
+        ]
         candidates = [args for args in candidates if _fits(*(n.meta["val"] for n in args))]
         return one_agreeing(inputs, outputs, candidates, self._agreement), outputs
 
@@ -63,9 +71,14 @@ class GroupExperts(RegionPass):
         return float(torch.allclose(self.op(*values), expected, rtol=1e-4, atol=1e-4))
 
 
-def _fits(x, idx, weights, gate, up, down) -> bool:
+def _fits(x: Tensor, idx: Tensor, weights: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> bool:
     n, h = x.shape if x.dim() == 2 else (-1, -1)
     return (
-        idx.dim() == 2 and idx.shape[0] == n and weights.shape == idx.shape and gate.dim() == 3
-        and gate.shape == up.shape and gate.shape[2] == h and tuple(down.shape) == (gate.shape[0], h, gate.shape[1])
+        idx.dim() == 2
+        and idx.shape[0] == n
+        and weights.shape == idx.shape
+        and gate.dim() == 3
+        and gate.shape == up.shape
+        and gate.shape[2] == h
+        and tuple(down.shape) == (gate.shape[0], h, gate.shape[1])
     )

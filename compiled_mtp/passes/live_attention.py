@@ -39,10 +39,20 @@ class LiveAttention(RegionPass):
     native = True
     arity = (4, 1)
 
-    def roles(self, region: set[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]) -> tuple[list, list[fx.Node]]:
+    def roles(
+        self, region: set[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]
+    ) -> tuple[list, list[fx.Node]]:
         """(q_latent, q_pe, cache, slots, visible, scale) -> out, the queries told apart on probes."""
-        queries, (kv,), (visible,) = by_signature(inputs, {(4, True): 2, (3, True): 1, (3, False): 1}, "inputs (q_latent, q_pe, kv, visible)")
-        if not (kv.target is aten.index.Tensor and len(kv.args[1]) == 1 and kv.args[0].meta["val"].dim() == 3):
+        queries, (kv,), (visible,) = by_signature(
+            inputs, {(4, True): 2, (3, True): 1, (3, False): 1}, "inputs (q_latent, q_pe, kv, visible)"
+        )
+        cache, index = kv.args if kv.target is aten.index.Tensor else (None, ())
+        if not (
+            isinstance(cache, fx.Node)
+            and isinstance(index, list | tuple)
+            and len(index) == 1
+            and cache.meta["val"].dim() == 3
+        ):
             raise Unfusable("its entries are not a gather of one layer's cache by slot")
         scales = [n.args[1] for n in region if n.target is aten.mul.Tensor and isinstance(n.args[1], float)]
         if len(scales) != 1:
@@ -53,10 +63,11 @@ class LiveAttention(RegionPass):
             return self._agreement(run, values, [*q, kv, visible], scale)
 
         q_latent, q_pe = one_agreeing(inputs, outputs, [queries, queries[::-1]], agreement)
-        cache, (slots,) = kv.args
-        return [q_latent, q_pe, cache, slots, visible, scale], outputs
+        return [q_latent, q_pe, cache, index[0], visible, scale], outputs
 
-    def _agreement(self, region: Region, values: dict[fx.Node, torch.Tensor], roles: list[fx.Node], scale: float) -> float:
+    def _agreement(
+        self, region: Region, values: dict[fx.Node, torch.Tensor], roles: list[fx.Node], scale: float
+    ) -> float:
         """1 if the op, given `roles` (q_latent, q_pe, kv, visible), computes the region's output, else 0."""
         (expected,) = region(list(values), list(values.values()))
         q_latent, q_pe, kv, visible = (values[n] for n in roles)
@@ -71,7 +82,11 @@ def _probe_values(inputs: list[fx.Node], visible: fx.Node) -> dict[fx.Node, torc
     """Seeded probe values of the region's inputs: random queries and entries, each row seeing a
     random prefix of its slot's entries."""
     gen = torch.Generator().manual_seed(0)
-    values = {n: torch.randn(n.meta["val"].shape, generator=gen).to(n.meta["val"].dtype) for n in inputs if n is not visible}
+    values = {
+        n: torch.randn(n.meta["val"].shape, generator=gen).to(n.meta["val"].dtype)
+        for n in inputs
+        if n is not visible
+    }
     batch, rows, capacity = visible.meta["val"].shape
     values[visible] = torch.arange(capacity) <= torch.randint(0, capacity, (batch, rows, 1), generator=gen)
     return values

@@ -49,7 +49,9 @@ class PassManager(CustomGraphPass):
     def __init__(self, enabled: tuple[str, ...]) -> None:
         unknown = sorted(set(enabled) - set(REGISTRY))
         if unknown:
-            raise ValueError(f"passes: unknown pass {unknown[0]!r} (available: {', '.join(available()) or 'none'})")
+            raise ValueError(
+                f"passes: unknown pass {unknown[0]!r} (available: {', '.join(available()) or 'none'})"
+            )
         self.enabled = tuple(name for name in REGISTRY if name in enabled)
 
     def __call__(self, graph: torch.fx.Graph) -> None:
@@ -84,6 +86,10 @@ def without(disabled: list[str]) -> tuple[str, ...]:
 def add_pass_switch(parser: argparse.ArgumentParser) -> None:
     """The command-line switch that turns passes off, for benchmarks and bisecting."""
     parser.add_argument(
-        "--disable-pass", action="append", default=[], choices=available(), metavar="NAME",
+        "--disable-pass",
+        action="append",
+        default=[],
+        choices=available(),
+        metavar="NAME",
         help=f"compile without this custom FX pass (repeatable; passes: {', '.join(available())}) (default: all run)",
     )

@@ -32,13 +32,15 @@ the final norm), so 1 row stays here.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
-import torch._inductor.inductor_prims  # noqa: F401  (registers prims.inductor_force_stride_order)
+import torch._inductor.inductor_prims
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from .fx_nodes import LinearNode, call, linears, on_cpu_float32, replace
 from ..ops import library
+from .fx_nodes import LinearNode, call, linears, on_cpu_float32, replace
 
 aten = torch.ops.aten
 NARROW_ROWS = 4  # the most rows compiled_mtp::few_row_linear takes
@@ -53,15 +55,17 @@ class NarrowLinear(CustomGraphPass):
         kernel = library.load()
         for lin in linears(graph):
             if lin.on_cpu_float32() and lin.rows <= NARROW_ROWS:
-                lin.replace(lambda g, lin=lin: _narrow(g, lin, kernel), adds=False)
+                lin.replace(partial(_narrow, lin=lin, kernel=kernel), adds=False)
         for bmm in graph.find_nodes(op="call_function", target=aten.bmm.default):
             a, b = bmm.args
             if on_cpu_float32(a, b) and a.meta["val"].shape[1] <= NARROW_ROWS:
-                replace(bmm, lambda g, a=a, b=b: _batched_multiply_and_sum(g, a, b))
+                replace(bmm, partial(_batched_multiply_and_sum, a=a, b=b))
         graph.eliminate_dead_code()
 
     def uuid(self) -> str:
-        return get_hash_for_files((__file__,), f"{NARROW_ROWS}/{KERNEL_WEIGHT}/{KERNEL_ROWS}/{library.version()}").hex()
+        return get_hash_for_files(
+            (__file__,), f"{NARROW_ROWS}/{KERNEL_WEIGHT}/{KERNEL_ROWS}/{library.version()}"
+        ).hex()
 
 
 def _narrow(graph: fx.Graph, lin: LinearNode, kernel: bool) -> fx.Node:
@@ -76,15 +80,29 @@ def _multiply_and_sum(graph: fx.Graph, lin: LinearNode) -> fx.Node:
     row-major: Inductor would otherwise inline a producer into the loop over every weight row, or
     keep the output transposed and vectorize the next reduction along its rows."""
     x = _row_major(graph, lin.x)
-    products = call(graph, aten.mul.Tensor, call(graph, aten.unsqueeze.default, lin.weight, 1), call(graph, aten.unsqueeze.default, x, 0))
-    return _row_major(graph, call(graph, aten.permute.default, call(graph, aten.sum.dim_IntList, products, [2]), [1, 0]))
+    products = call(
+        graph,
+        aten.mul.Tensor,
+        call(graph, aten.unsqueeze.default, lin.weight, 1),
+        call(graph, aten.unsqueeze.default, x, 0),
+    )
+    return _row_major(
+        graph, call(graph, aten.permute.default, call(graph, aten.sum.dim_IntList, products, [2]), [1, 0])
+    )
 
 
 def _batched_multiply_and_sum(graph: fx.Graph, a: fx.Node, b: fx.Node) -> fx.Node:
     """bmm(a [n, rows, k], b [n, k, out]) as sum_k a[:, :, k, None] * b[:, None, k, :]."""
-    products = call(graph, aten.mul.Tensor, call(graph, aten.unsqueeze.default, a, 3), call(graph, aten.unsqueeze.default, b, 1))
+    products = call(
+        graph,
+        aten.mul.Tensor,
+        call(graph, aten.unsqueeze.default, a, 3),
+        call(graph, aten.unsqueeze.default, b, 1),
+    )
     return call(graph, aten.sum.dim_IntList, products, [2])
 
 
 def _row_major(graph: fx.Graph, node: fx.Node) -> fx.Node:
-    return call(graph, torch.ops.prims.inductor_force_stride_order.default, node, [node.meta["val"].shape[1], 1])
+    return call(
+        graph, torch.ops.prims.inductor_force_stride_order.default, node, [node.meta["val"].shape[1], 1]
+    )

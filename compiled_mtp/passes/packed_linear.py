@@ -8,12 +8,14 @@ CPU float32 graphs are rewritten.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import fx, nn
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from .fx_nodes import LinearNode, call, linears
 from ..ops import packed_linear as op_module
+from .fx_nodes import LinearNode, call, linears
 
 LINEAR = torch.ops.compiled_mtp.linear.default
 # Which linears are rewritten (see `_pays`): weights of MIN_WEIGHT elements or more.
@@ -27,7 +29,7 @@ class PackedLinear(CustomGraphPass):
         for lin in linears(graph):
             if lin.on_cpu_float32() and _pays(lin):
                 bias = lin.added if lin.added is not None and _bias_of(lin.added, lin.weight) else None
-                lin.replace(lambda g, lin=lin, bias=bias: call(g, LINEAR, lin.x, lin.weight, bias), adds=bias is not None)
+                lin.replace(partial(_packed, lin=lin, bias=bias), adds=bias is not None)
         graph.eliminate_dead_code()
 
     def uuid(self) -> str:
@@ -36,6 +38,10 @@ class PackedLinear(CustomGraphPass):
     def prepare(self, model: nn.Module) -> None:
         """Pack the model's weights once, before any graph: every graph shares them."""
         op_module.pack_linears(model, MIN_WEIGHT)
+
+
+def _packed(graph: fx.Graph, lin: LinearNode, bias: fx.Node | None) -> fx.Node:
+    return call(graph, LINEAR, lin.x, lin.weight, bias)
 
 
 def _pays(lin: LinearNode) -> bool:
@@ -50,4 +56,8 @@ def _pays(lin: LinearNode) -> bool:
 def _bias_of(bias: fx.Node, weight: fx.Node) -> bool:
     """addmm's first argument is a bias only when it is a [out] vector the graph reads."""
     val = bias.meta.get("val")
-    return bias.op in ("placeholder", "get_attr") and val is not None and tuple(val.shape) == (weight.meta["val"].shape[0],)
+    return (
+        bias.op in ("placeholder", "get_attr")
+        and val is not None
+        and tuple(val.shape) == (weight.meta["val"].shape[0],)
+    )

@@ -8,7 +8,16 @@ import torch
 # (temperature, top_k, top_p) of probe rows: greedy, temperature-only, top-k, top-p, mixes, chosen so
 # that swapping temperature and top_p changes the distribution a lot (a top_p >= 1 keeps every
 # token, a top_p near 0 acts greedy): probe rows tell the two [B] float inputs apart.
-_PROBE_PARAMS = [(0.0, 0, 1.0), (4.0, 0, 1.0), (3.0, 0, 0.3), (2.0, 5, 1.0), (1.0, 0, 0.5), (3.0, 0, 1.0), (0.8, 3, 0.9), (2.5, 0, 0.6)]
+_PROBE_PARAMS = [
+    (0.0, 0, 1.0),
+    (4.0, 0, 1.0),
+    (3.0, 0, 0.3),
+    (2.0, 5, 1.0),
+    (1.0, 0, 0.5),
+    (3.0, 0, 1.0),
+    (0.8, 3, 0.9),
+    (2.5, 0, 0.6),
+]
 _PROBE_ROWS = 32
 _LIVE_TOKENS = 16
 

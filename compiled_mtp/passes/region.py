@@ -47,11 +47,17 @@ class RegionPass(CustomGraphPass):
 
     traced: Callable  # the function whose calls are replaced
     op_name: str
-    native: bool = False  # the op is one of the C++ ops (ops/csrc): the regions stay as traced where they do not build
+    native: bool = (
+        False  # the op is one of the C++ ops (ops/csrc): the regions stay as traced where they do not build
+    )
     arity: tuple[int, int]  # the region's inputs and outputs, as the function's
-    modules: tuple[ModuleType, ...] = ()  # what the replacement depends on beyond this file, fx_nodes and the pass's own
+    modules: tuple[
+        ModuleType, ...
+    ] = ()  # what the replacement depends on beyond this file, fx_nodes and the pass's own
 
-    def roles(self, region: set[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]) -> tuple[list, list[fx.Node]]:
+    def roles(
+        self, region: set[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]
+    ) -> tuple[list, list[fx.Node]]:
         """(the op's arguments, the outputs its results replace, in its order), or raise Unfusable."""
         raise NotImplementedError
 
@@ -79,7 +85,9 @@ class RegionPass(CustomGraphPass):
                 self._check(inputs, outputs)
                 args, replaced = self.roles(region, inputs, outputs)
             except Unfusable as e:
-                log.log(logging.INFO if e.expected else logging.WARNING, "%s: left as traced: %s", self.name, e)
+                log.log(
+                    logging.INFO if e.expected else logging.WARNING, "%s: left as traced: %s", self.name, e
+                )
                 continue
             call_in_place_of(graph, self.op, args, replaced)
         if not found:  # a model family without this function (GLM-4 MoE has no latent attention)
@@ -98,10 +106,18 @@ class RegionPass(CustomGraphPass):
         if self.native and not on_cpu_float32(*(n for n in inputs + outputs if _floating(n))):
             raise Unfusable("not a float32 graph (the C++ kernels take float32)", expected=True)
         if (len(inputs), len(outputs)) != self.arity:
-            raise Unfusable(f"the region has {len(inputs)} inputs and {len(outputs)} outputs, expected {self.arity[0]} and {self.arity[1]}")
+            raise Unfusable(
+                f"the region has {len(inputs)} inputs and {len(outputs)} "
+                f"outputs, expected {self.arity[0]} and {self.arity[1]}"
+            )
 
     def uuid(self) -> str:
-        files = (inspect.getfile(type(self)), __file__, fx_nodes.__file__, *(m.__file__ for m in self.modules))
+        files = (
+            inspect.getfile(type(self)),
+            __file__,
+            fx_nodes.__file__,
+            *(m.__file__ for m in self.modules),
+        )
         native = library.version() if self.native else ""
         return get_hash_for_files(files, repr(self.settings()) + native).hex()
 
@@ -134,7 +150,8 @@ def one_agreeing(
     if sum(share >= threshold for share in shares) != 1:
         listed = ", ".join(f"{share:.0%}" for share in shares) or "none"
         raise Unfusable(
-            f"the op reproduces the region on {listed} of the probes under the {len(candidates)} assignments of its inputs, "
+            f"the op reproduces the region on {listed} of the probes "
+            f"under the {len(candidates)} assignments of its inputs, "
             f"expected exactly one at {threshold:.0%} or more"
         )
     return next(c for c, share in zip(candidates, shares) if share >= threshold)

@@ -515,7 +515,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=os.cpu_count() or 1,
         metavar="N",
-        help="build in up to N processes at once, each a graph at a time (default: one per core)",
+        help="build in up to N processes at once, each a graph at a time (default: %(default)s, one per core)",
     )
     _add_engine_options(c, backend=False)
     _add_cache_option(c)

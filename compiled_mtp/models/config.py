@@ -139,19 +139,35 @@ class ModelConfig:
         need(self.vocab_size > 0 and self.hidden_size > 0, "vocab_size and hidden_size must be positive")
         need(self.qk_rope_head_dim % 2 == 0, f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
         if self.n_routed_experts is not None:
-            need(
-                self.n_routed_experts % self.n_group == 0,
-                f"n_routed_experts {self.n_routed_experts} not divisible by n_group {self.n_group}",
+            check_router(
+                source, self.n_routed_experts, self.n_group, self.topk_group, self.num_experts_per_tok
             )
-            need(
-                1 <= self.topk_group <= self.n_group,
-                f"topk_group must be in [1, n_group={self.n_group}], got {self.topk_group}",
-            )
-            per_group = self.n_routed_experts // self.n_group
-            need(
-                1 <= self.num_experts_per_tok <= per_group * self.topk_group,
-                f"num_experts_per_tok must be in [1, {per_group * self.topk_group}], got {self.num_experts_per_tok}",
-            )
+
+
+def check_router(
+    source: str, n_routed_experts: int, n_group: int, topk_group: int, num_experts_per_tok: int
+) -> None:
+    """The group-limited top-k router's fields (layers.Router, shared by the families), or a
+    CheckpointError naming the field."""
+
+    def need(ok: bool, what: str) -> None:
+        if not ok:
+            raise CheckpointError(f"{source}: {what}")
+
+    need(
+        n_routed_experts % n_group == 0,
+        f"n_routed_experts {n_routed_experts} not divisible by n_group {n_group}",
+    )
+    need(1 <= topk_group <= n_group, f"topk_group must be in [1, n_group={n_group}], got {topk_group}")
+    per_group = n_routed_experts // n_group
+    need(
+        per_group >= 2,
+        f"n_routed_experts / n_group must be >= 2 (the group score sums each group's top 2), got {per_group}",
+    )
+    need(
+        1 <= num_experts_per_tok <= per_group * topk_group,
+        f"num_experts_per_tok must be in [1, {per_group * topk_group}], got {num_experts_per_tok}",
+    )
 
 
 def eos_ids(raw: dict[str, Any]) -> tuple[int, ...]:

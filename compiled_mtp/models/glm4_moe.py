@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .config import CheckpointError, RopeConfig, eos_ids, fp8_block_size
+from .config import CheckpointError, RopeConfig, check_router, eos_ids, fp8_block_size
 from .family import CausalLM
 from .layers import Context, Linear, RMSNorm, Rope
 
@@ -143,23 +143,7 @@ class Glm4MoeConfig:
             "partial_rotary_factor must give an even rotary width in "
             f"[2, head_dim={self.head_dim}], got {self.rotary_dim}",
         )
-        need(
-            self.n_routed_experts % self.n_group == 0,
-            f"n_routed_experts {self.n_routed_experts} not divisible by n_group {self.n_group}",
-        )
-        need(
-            1 <= self.topk_group <= self.n_group,
-            f"topk_group must be in [1, n_group={self.n_group}], got {self.topk_group}",
-        )
-        per_group = self.n_routed_experts // self.n_group
-        need(
-            per_group >= 2,
-            f"n_routed_experts / n_group must be >= 2 (the group score sums each group's top 2), got {per_group}",
-        )
-        need(
-            1 <= self.num_experts_per_tok <= per_group * self.topk_group,
-            f"num_experts_per_tok must be in [1, {per_group * self.topk_group}], got {self.num_experts_per_tok}",
-        )
+        check_router(source, self.n_routed_experts, self.n_group, self.topk_group, self.num_experts_per_tok)
 
 
 class GQA(nn.Module):

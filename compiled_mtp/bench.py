@@ -113,6 +113,7 @@ class EngineRun:
     k: int | str
     batch: int
     tokens_per_s: float  # B * new tokens / best wall seconds (prefill included)
+    decode_tokens_per_s: float  # B * (new tokens - 1) / its decode seconds: what speculation changes
     seconds: float  # best run
     iteration_ms: float  # decode-only wall time per step of the best run
     host_ms: float  # runtime Python outside graph calls per step
@@ -120,7 +121,7 @@ class EngineRun:
     acceptance_length: float  # tokens per request and decode step over the timed runs
     decode_steps: int  # of the best run
     bound_tokens_per_s: float = 0.0  # the memory-bandwidth bound at this K, B and acceptance length
-    speedup: float = 0.0  # tokens_per_s over K=0's at this B
+    speedup: float = 0.0  # decode_tokens_per_s over K=0's at this B (the bound counts no prefill either)
     bound_speedup: float = 0.0  # bound_tokens_per_s over K=0's
     bound_fraction: float = 0.0  # speedup / bound_speedup
     depth_histogram: dict[int, int] | None = None  # auto: decode steps run at each depth, timed runs
@@ -300,6 +301,7 @@ def engine_run(k: int | str, prompts: list[list[int]], new_tokens: int, timings:
         k,
         b,
         b * new_tokens / best.seconds,
+        b * (new_tokens - 1) / best.decode_seconds,
         best.seconds,
         1e3 * iteration,
         1e3 * host,
@@ -502,7 +504,7 @@ def add_bounds(engine: list[EngineRun], bound: Bound) -> None:
             e.bound_tokens_per_s = max(r.bound_tokens_per_s for r in fixed)
         base = _engine_row(engine, 0, e.batch)
         if base is not None:
-            e.speedup = e.tokens_per_s / base.tokens_per_s
+            e.speedup = e.decode_tokens_per_s / base.decode_tokens_per_s
             e.bound_speedup = e.bound_tokens_per_s / base.bound_tokens_per_s
             e.bound_fraction = e.speedup / e.bound_speedup
 
@@ -521,8 +523,11 @@ def _speedup_goal(runs: list[EngineRun], b: int, goal: float) -> list[Goal]:
     rows = [r for r in runs if r.batch == b]
     if base is None:
         return [Goal(f"speedup_b{b}", name, None, goal, None, f"not measured (needs K=0 and B={b})")]
-    best = max(rows, key=lambda r: r.tokens_per_s)
-    detail = f"K={best.k}: {best.tokens_per_s:.1f} vs {base.tokens_per_s:.1f} tok/s"
+    best = max(rows, key=lambda r: r.decode_tokens_per_s)
+    detail = (
+        f"K={best.k}: {best.decode_tokens_per_s:.1f} vs {base.decode_tokens_per_s:.1f} decode tok/s"
+        f" ({best.tokens_per_s / base.tokens_per_s:.2f}x with the prefill)"
+    )
     fraction = f"K={best.k}: {best.speedup:.2f}x of a bound of {best.bound_speedup:.2f}x"
     return [
         Goal(f"speedup_b{b}", name, best.speedup, goal, best.speedup >= goal, detail),
@@ -543,11 +548,11 @@ def _auto_goals(runs: list[EngineRun]) -> list[Goal]:
     out = []
     for auto in (r for r in runs if r.k == "auto"):
         fixed = [r for r in runs if r.batch == auto.batch and r.k != "auto"]
-        best = max(fixed, key=lambda r: r.tokens_per_s)
+        best = max(fixed, key=lambda r: r.decode_tokens_per_s)
         goal = 0.98 if best.k == 0 else 0.97
-        value = auto.tokens_per_s / best.tokens_per_s
+        value = auto.decode_tokens_per_s / best.decode_tokens_per_s
         detail = (
-            f"{auto.tokens_per_s:.1f} vs K={best.k} {best.tokens_per_s:.1f} tok/s"
+            f"{auto.decode_tokens_per_s:.1f} vs K={best.k} {best.decode_tokens_per_s:.1f} decode tok/s"
             f"; steps per depth {auto.depth_histogram}"
         )
         out.append(
@@ -668,13 +673,14 @@ def print_report(r: BenchResult) -> None:
             + " ".join(f"{p:.2f}" for p in a.per_position)
         )
     print(
-        f"\n{'system':<30}{'B':>3}{'tok/s':>10}{'bound':>10}{'ms/iter':>9}{'host ms':>9}{'host %':>8}{'acc len':>9}"
+        f"\n{'system':<30}{'B':>3}{'tok/s':>10}{'decode':>9}{'bound':>8}{'ms/iter':>9}{'host ms':>9}{'host %':>8}"
+        f"{'acc len':>9}"
         f"{'vs K=0':>8}{'bound':>7}{'of it':>7}"
     )
     for e in r.engine:
         print(
-            f"{'compiled_mtp K=' + str(e.k):<30}{e.batch:>3}{e.tokens_per_s:>10.1f}"
-            f"{e.bound_tokens_per_s:>10.0f}{e.iteration_ms:>9.2f}"
+            f"{'compiled_mtp K=' + str(e.k):<30}{e.batch:>3}{e.tokens_per_s:>10.1f}{e.decode_tokens_per_s:>9.1f}"
+            f"{e.bound_tokens_per_s:>8.0f}{e.iteration_ms:>9.2f}"
             f"{e.host_ms:>9.3f}{100 * e.host_share:>8.1f}{e.acceptance_length:>9.2f}"
             f"{e.speedup:>7.2f}x{e.bound_speedup:>6.2f}x{100 * e.bound_fraction:>6.0f}%"
         )

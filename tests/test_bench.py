@@ -16,6 +16,7 @@ from compiled_mtp.capture.profile import DEFAULT_MODEL
 from tests.checkpoints import write_echo_checkpoint
 
 DEPTHS, BATCHES = (0, 1, 2), (1, 2)
+NEW_TOKENS = 8
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -30,7 +31,8 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     model = write_echo_checkpoint(tmp_path_factory.mktemp("echo"), num_layers=2, mtp_noise=0.3)
     out = tmp_path_factory.mktemp("bench")
     bench.run(_args(
-        "--model", str(model), "--backend", "eager", "--new-tokens", "8", "--runs", "1", "--prompt-len", "8",
+        "--model", str(model), "--backend", "eager", "--new-tokens", str(NEW_TOKENS), "--runs", "1",
+        "--prompt-len", "8",
         "--accept-prompts", "3", "--copy-mb", "16", "--out", str(out),
         "--depths", *map(str, DEPTHS), "--batch-sizes", *map(str, BATCHES),
     ))  # fmt: skip
@@ -71,10 +73,12 @@ def test_values_are_sane(result):
         assert 1 <= a["acceptance_length"] <= a["k"] + 1
     for e in data["engine"]:
         assert e["tokens_per_s"] > 0 and e["iteration_ms"] > 0 and 0 <= e["host_share"] <= 1
+        # the decode phase leaves out the prefill, and its tokens the one each prefill samples
+        assert e["decode_tokens_per_s"] > e["tokens_per_s"] * (NEW_TOKENS - 1) / NEW_TOKENS
         assert 1 <= e["acceptance_length"] <= (max(DEPTHS) if e["k"] == "auto" else e["k"]) + 1
         assert e["bound_tokens_per_s"] > 0 and e["bound_speedup"] > 0
         base = next(r for r in data["engine"] if r["k"] == 0 and r["batch"] == e["batch"])
-        assert e["speedup"] == pytest.approx(e["tokens_per_s"] / base["tokens_per_s"])
+        assert e["speedup"] == pytest.approx(e["decode_tokens_per_s"] / base["decode_tokens_per_s"])
         assert e["bound_fraction"] == pytest.approx(e["speedup"] / e["bound_speedup"])
         if e["k"] == "auto":  # every timed decode step is counted at some depth
             assert (

@@ -3,13 +3,35 @@ shares: the error type, rope parameters, EOS ids and the FP8 block size."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be served: the message names the file and the key or field."""
+
+
+@contextlib.contextmanager
+def reading(source: str) -> Iterator[None]:
+    """Around building a config from a dict: a missing or malformed field becomes a CheckpointError
+    naming `source` and the field."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except KeyError as e:
+        raise CheckpointError(f"{source}: missing required field {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{source}: malformed field ({e})") from None
+
+
+def need(ok: bool, source: str, what: str) -> None:
+    """A config check: if not `ok`, a CheckpointError naming `source` and saying `what` is wrong."""
+    if not ok:
+        raise CheckpointError(f"{source}: {what}")
 
 
 @dataclass(frozen=True)
@@ -88,11 +110,7 @@ class ModelConfig:
             raise CheckpointError(
                 f"{source}: hidden_act {raw['hidden_act']!r} is not supported (only 'silu')"
             )
-        eos, block = (
-            eos_ids(raw),
-            fp8_block_size(raw, source),
-        )  # before the try: CheckpointError is a ValueError
-        try:
+        with reading(source):
             cfg = cls(
                 vocab_size=int(raw["vocab_size"]),
                 hidden_size=int(raw["hidden_size"]),
@@ -121,23 +139,23 @@ class ModelConfig:
                 attention_bias=bool(raw.get("attention_bias", False)),
                 max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
                 num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0),
-                eos_token_ids=eos,
-                fp8_block_size=block,
+                eos_token_ids=eos_ids(raw),
+                fp8_block_size=fp8_block_size(raw, source),
             )
-        except KeyError as e:
-            raise CheckpointError(f"{source}: missing required field {e.args[0]!r}") from None
-        except (TypeError, ValueError) as e:
-            raise CheckpointError(f"{source}: malformed field ({e})") from None
         cfg._check(source)
         return cfg
 
     def _check(self, source: str) -> None:
-        def need(ok: bool, what: str) -> None:
-            if not ok:
-                raise CheckpointError(f"{source}: {what}")
-
-        need(self.vocab_size > 0 and self.hidden_size > 0, "vocab_size and hidden_size must be positive")
-        need(self.qk_rope_head_dim % 2 == 0, f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+        need(
+            self.vocab_size > 0 and self.hidden_size > 0,
+            source,
+            "vocab_size and hidden_size must be positive",
+        )
+        need(
+            self.qk_rope_head_dim % 2 == 0,
+            source,
+            f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}",
+        )
         if self.n_routed_experts is not None:
             check_router(
                 source, self.n_routed_experts, self.n_group, self.topk_group, self.num_experts_per_tok
@@ -149,23 +167,23 @@ def check_router(
 ) -> None:
     """The group-limited top-k router's fields (layers.Router, shared by the families), or a
     CheckpointError naming the field."""
-
-    def need(ok: bool, what: str) -> None:
-        if not ok:
-            raise CheckpointError(f"{source}: {what}")
-
     need(
         n_routed_experts % n_group == 0,
+        source,
         f"n_routed_experts {n_routed_experts} not divisible by n_group {n_group}",
     )
-    need(1 <= topk_group <= n_group, f"topk_group must be in [1, n_group={n_group}], got {topk_group}")
+    need(
+        1 <= topk_group <= n_group, source, f"topk_group must be in [1, n_group={n_group}], got {topk_group}"
+    )
     per_group = n_routed_experts // n_group
     need(
         per_group >= 2,
+        source,
         f"n_routed_experts / n_group must be >= 2 (the group score sums each group's top 2), got {per_group}",
     )
     need(
         1 <= num_experts_per_tok <= per_group * topk_group,
+        source,
         f"num_experts_per_tok must be in [1, {per_group * topk_group}], got {num_experts_per_tok}",
     )
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .config import CheckpointError, RopeConfig, check_router, eos_ids, fp8_block_size
+from .config import CheckpointError, RopeConfig, check_router, eos_ids, fp8_block_size, need, reading
 from .family import CausalLM
 from .layers import Context, Linear, RMSNorm, Rope
 
@@ -82,11 +82,7 @@ class Glm4MoeConfig:
             raise CheckpointError(
                 f"{source}: rope type {kind!r} is not supported for glm4_moe (supported: default)"
             )
-        eos, block = (
-            eos_ids(raw),
-            fp8_block_size(raw, source),
-        )  # before the try: CheckpointError is a ValueError
-        try:
+        with reading(source):
             heads, hidden = int(raw["num_attention_heads"]), int(raw["hidden_size"])
             cfg = cls(
                 vocab_size=int(raw["vocab_size"]),
@@ -117,29 +113,27 @@ class Glm4MoeConfig:
                 num_nextn_predict_layers=int(
                     raw.get("num_nextn_predict_layers", raw.get("num_mtp_layers", 0)) or 0
                 ),
-                eos_token_ids=eos,
-                fp8_block_size=block,
+                eos_token_ids=eos_ids(raw),
+                fp8_block_size=fp8_block_size(raw, source),
             )
-        except KeyError as e:
-            raise CheckpointError(f"{source}: missing required field {e.args[0]!r}") from None
-        except (TypeError, ValueError) as e:
-            raise CheckpointError(f"{source}: malformed field ({e})") from None
         cfg._check(source)
         return cfg
 
     def _check(self, source: str) -> None:
-        def need(ok: bool, what: str) -> None:
-            if not ok:
-                raise CheckpointError(f"{source}: {what}")
-
-        need(self.vocab_size > 0 and self.hidden_size > 0, "vocab_size and hidden_size must be positive")
+        need(
+            self.vocab_size > 0 and self.hidden_size > 0,
+            source,
+            "vocab_size and hidden_size must be positive",
+        )
         need(
             self.num_attention_heads % self.num_key_value_heads == 0,
+            source,
             f"num_attention_heads {self.num_attention_heads} not "
             f"divisible by num_key_value_heads {self.num_key_value_heads}",
         )
         need(
             self.rotary_dim % 2 == 0 and 0 < self.rotary_dim <= self.head_dim,
+            source,
             "partial_rotary_factor must give an even rotary width in "
             f"[2, head_dim={self.head_dim}], got {self.rotary_dim}",
         )

@@ -3,6 +3,8 @@
     python benchmarks/bench_passes.py                          # both parts, the matrix
     python benchmarks/bench_passes.py --part sampling --batch-sizes 1 8 --depths 1 3
     python benchmarks/bench_passes.py --part e2e --depths 0 1 2 3
+    python benchmarks/bench_passes.py --part e2e --preset dsv3-proportions --pass-sets on --depths 0 3 \
+        --steps-only --cache-dir /tmp/dsv3-cache      # run twice: the first builds, the second times
     python benchmarks/bench_passes.py --device cuda --dtype bfloat16   # on a GPU (CUDA graphs, Triton)
 
 1. sampling: the sampling half of target_verify alone (`graphs.sampling.verify_sample`, compiled by
@@ -206,8 +208,9 @@ def bench_e2e(args: argparse.Namespace) -> dict:
                 max_seq_len=short_capacity(args),
                 prefill_chunk=args.prompt_len,
                 passes=passes,
+                cache_dir=args.cache_dir,
             )
-            timed_generate(runtimes[k], [prompt], sampling)  # compiles
+            timed_generate(runtimes[k], [prompt], sampling)  # compiles or loads
             compile_s[k] = time.perf_counter() - start
         # The depths take turns, so that all of them see the same state of a shared machine.
         step_ms = {k: float("inf") for k in args.depths}
@@ -233,6 +236,8 @@ def bench_e2e(args: argparse.Namespace) -> dict:
                 f"tok/s{speedup} (compile {compile_s[k]:.0f} s)",
                 flush=True,
             )
+        if args.steps_only:
+            continue
         if name == "on" and 3 in runtimes:
             d = result["draft_step_ms"] = draft_step_ms(model, runtimes[3], args)
             print(
@@ -262,6 +267,8 @@ def bench_e2e(args: argparse.Namespace) -> dict:
             f"  passes {name}: the LM head alone, 4 rows {h[4]:.1f} ms vs 1 row {h[1]:.1f} ms: {h[4] / h[1]:.2f}x",
             flush=True,
         )
+    if args.steps_only:
+        return result
     cap = result["capacity_verify_ms"] = capacity_ms(model, args)
     for batch, ms in cap.items():
         print(
@@ -476,6 +483,19 @@ def main() -> None:
         choices=("off", "on"),
         default=["off", "on"],
         help="e2e: which pass sets to time",
+    )
+    parser.add_argument(
+        "--steps-only",
+        action="store_true",
+        help="e2e: time the decode steps per depth only, not the draft-step, verify, LM-head and capacity "
+        "parts (whose many graphs take long to compile for the dsv3-proportions preset)",
+    )
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="e2e: a capture cache the step graphs load from and are built into, so that one run can build "
+        "them and a later one, on a quiet machine, time them (weight values are not part of a graph's key)",
     )
     parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/passes-<device>.json")
     args = parser.parse_args()

@@ -37,29 +37,34 @@ _GLM4_MOE = {
     "use_qk_norm": False,
 }
 
+# The tiny presets' sizes and router, whatever the family: a few MB, 8 experts in 2 groups.
+_TINY = {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "n_group": 2,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "routed_scaling_factor": 2.5,
+    "max_position_embeddings": 4096,
+}
+
 PRESETS: dict[str, dict] = {
     # A few MB: the demo before a trained default exists, and quick checks.
     "tiny": {
         **_DEEPSEEK_V3,
-        "vocab_size": 512,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "moe_intermediate_size": 32,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
+        **_TINY,
         "q_lora_rank": 48,
         "kv_lora_rank": 32,
         "qk_nope_head_dim": 16,
         "qk_rope_head_dim": 8,
         "v_head_dim": 16,
-        "n_routed_experts": 8,
-        "n_shared_experts": 1,
-        "num_experts_per_tok": 2,
-        "n_group": 2,
-        "topk_group": 1,
-        "first_k_dense_replace": 1,
-        "routed_scaling_factor": 2.5,
-        "max_position_embeddings": 4096,
     },
     # About 250M parameters with DeepSeek-V3's proportions and its 129280-token vocabulary.
     "250m": {
@@ -111,25 +116,7 @@ PRESETS: dict[str, dict] = {
     },
     # GLM-4.5's layout at the tiny preset's size: GQA with 4 query heads on 2 KV heads of 32 channels,
     # half of each rotated, q/k/v bias, the first layer dense.
-    "glm-tiny": {
-        **_GLM4_MOE,
-        "vocab_size": 512,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "moe_intermediate_size": 32,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 32,
-        "n_routed_experts": 8,
-        "n_shared_experts": 1,
-        "num_experts_per_tok": 2,
-        "n_group": 2,
-        "topk_group": 1,
-        "first_k_dense_replace": 1,
-        "routed_scaling_factor": 2.5,
-        "max_position_embeddings": 4096,
-    },
+    "glm-tiny": {**_GLM4_MOE, **_TINY, "num_key_value_heads": 2, "head_dim": 32},
 }
 
 

@@ -50,22 +50,14 @@ torch.library.define(
 )
 
 
-def verify_sample(
-    logits: Tensor,
-    temperature: Tensor,
-    top_k: Tensor,
-    top_p: Tensor,
-    drafts: Tensor,
-    draft_probs: Tensor,
-    noise: Tensor,
-) -> tuple[Tensor, Tensor]:
-    """Arguments and results as `graphs.sampling.verify_sample`: (num_accepted [B], tokens [B, K+1])."""
+def verify_sample(*inputs: Tensor) -> tuple[Tensor, Tensor]:
+    """The CPU kernel. Arguments (the schema's above) and results as `graphs.sampling.verify_sample`:
+    (num_accepted [B], tokens [B, K+1])."""
+    logits, temperature, _, _, drafts, draft_probs, noise = inputs
     greedy = greedy_verify(logits, temperature, drafts, draft_probs, noise)
     if greedy is not None:
         return greedy
-    return verify_by_kind(
-        softmax_rows, filtered_rows, logits, temperature, top_k, top_p, drafts, draft_probs, noise
-    )
+    return verify_by_kind(softmax_rows, filtered_rows, *inputs)
 
 
 torch.library.impl("compiled_mtp::verify_sample", "CPU", verify_sample)

@@ -35,19 +35,10 @@ def available() -> bool:
     return triton is not None
 
 
-def verify_sample_triton(
-    logits: Tensor,
-    temperature: Tensor,
-    top_k: Tensor,
-    top_p: Tensor,
-    drafts: Tensor,
-    draft_probs: Tensor,
-    noise: Tensor,
-) -> tuple[Tensor, Tensor]:
-    """Arguments and results as `graphs.sampling.verify_sample`."""
-    return verify_by_kind(
-        OnlineSoftmax.of, _traced_rows, logits, temperature, top_k, top_p, drafts, draft_probs, noise
-    )
+def verify_sample_triton(*inputs: Tensor) -> tuple[Tensor, Tensor]:
+    """The CUDA kernel. Arguments (compiled_mtp::verify_sample's) and results as
+    `graphs.sampling.verify_sample`."""
+    return verify_by_kind(OnlineSoftmax.of, _traced_rows, *inputs)
 
 
 def _traced_rows(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Probs:

@@ -31,9 +31,7 @@ class FuseDenseMLP(RegionPass):
     op_name = "dense_mlp"
     native = True
     arity = (4, 1)
-
-    def settings(self) -> tuple:
-        return (MIN_ROWS, MAX_ROWS)
+    settings = (MIN_ROWS, MAX_ROWS)
 
     def _check(self, inputs: list[fx.Node], outputs: list[fx.Node]) -> None:
         if (

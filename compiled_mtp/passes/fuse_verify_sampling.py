@@ -40,11 +40,12 @@ class FuseVerifySampling(RegionPass):
     arity = (7, 2)
     modules = (op_module, triton_kernel, probes)
 
+    @property
+    def settings(self) -> tuple:  # read when the uuid is, so that a switch set later counts
+        return (FUSE_ON_CUDA,)
+
     def serves(self, devices: set[str]) -> bool:
         return devices == {"cpu"} or (devices == {"cuda"} and FUSE_ON_CUDA and triton_kernel.available())
-
-    def settings(self) -> tuple:
-        return (FUSE_ON_CUDA,)
 
     def roles(
         self, region: set[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]

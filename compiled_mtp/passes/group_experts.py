@@ -35,9 +35,7 @@ class GroupExperts(RegionPass):
     op_name = "routed_experts"
     native = True
     arity = (6, 1)
-
-    def settings(self) -> tuple:
-        return (MIN_ROWS,)
+    settings = (MIN_ROWS,)
 
     def roles(
         self, region: set[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]

@@ -47,13 +47,11 @@ class RegionPass(CustomGraphPass):
 
     traced: Callable  # the function whose calls are replaced
     op_name: str
-    native: bool = (
-        False  # the op is one of the C++ ops (ops/csrc): the regions stay as traced where they do not build
-    )
+    # The op is one of the C++ ops (ops/csrc): the regions stay as traced where they do not build.
+    native: bool = False
     arity: tuple[int, int]  # the region's inputs and outputs, as the function's
-    modules: tuple[
-        ModuleType, ...
-    ] = ()  # what the replacement depends on beyond this file, fx_nodes and the pass's own
+    # What the replacement depends on beyond this file, fx_nodes and the pass's own module.
+    modules: tuple[ModuleType, ...] = ()
 
     def roles(
         self, region: set[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]
@@ -65,6 +63,7 @@ class RegionPass(CustomGraphPass):
         """Whether the op replaces regions whose inputs are on `devices`."""
         return devices == {"cpu"}
 
+    @property
     def settings(self) -> tuple:
         """The module settings the pass's decisions depend on (thresholds, switches), for the uuid."""
         return ()
@@ -119,7 +118,7 @@ class RegionPass(CustomGraphPass):
             *(m.__file__ for m in self.modules),
         )
         native = library.version() if self.native else ""
-        return get_hash_for_files(files, repr(self.settings()) + native).hex()
+        return get_hash_for_files(files, repr(self.settings) + native).hex()
 
 
 def _floating(node: fx.Node) -> bool:

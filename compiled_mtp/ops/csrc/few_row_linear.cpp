@@ -64,8 +64,6 @@ at::Tensor few_row_linear_meta(const at::Tensor& x, const at::Tensor& weight) {
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(compiled_mtp, m) { m.def("few_row_linear(Tensor x, Tensor weight) -> Tensor"); }
-TORCH_LIBRARY_IMPL(compiled_mtp, CPU, m) { m.impl("few_row_linear", few_row_linear); }
-TORCH_LIBRARY_IMPL(compiled_mtp, Meta, m) { m.impl("few_row_linear", few_row_linear_meta); }
+COMPILED_MTP_OP(few_row_linear, "(Tensor x, Tensor weight) -> Tensor")
 
 }  // namespace compiled_mtp

@@ -115,10 +115,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> greedy_sample_meta(const at::Tens
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(compiled_mtp, m) {
-    m.def("greedy_sample(Tensor logits, Tensor temperature, Tensor drafts, Tensor draft_probs, Tensor noise) -> (Tensor, Tensor, Tensor)");
-}
-TORCH_LIBRARY_IMPL(compiled_mtp, CPU, m) { m.impl("greedy_sample", greedy_sample); }
-TORCH_LIBRARY_IMPL(compiled_mtp, Meta, m) { m.impl("greedy_sample", greedy_sample_meta); }
+COMPILED_MTP_OP(greedy_sample,
+                "(Tensor logits, Tensor temperature, Tensor drafts, Tensor draft_probs, Tensor noise) -> (Tensor, Tensor, Tensor)")
 
 }  // namespace compiled_mtp

@@ -201,10 +201,7 @@ at::Tensor live_attention_meta(const at::Tensor& q_latent, const at::Tensor&, co
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(compiled_mtp, m) {
-    m.def("live_attention(Tensor q_latent, Tensor q_pe, Tensor cache, Tensor slots, Tensor visible, float scale) -> Tensor");
-}
-TORCH_LIBRARY_IMPL(compiled_mtp, CPU, m) { m.impl("live_attention", live_attention); }
-TORCH_LIBRARY_IMPL(compiled_mtp, Meta, m) { m.impl("live_attention", live_attention_meta); }
+COMPILED_MTP_OP(live_attention,
+                "(Tensor q_latent, Tensor q_pe, Tensor cache, Tensor slots, Tensor visible, float scale) -> Tensor")
 
 }  // namespace compiled_mtp

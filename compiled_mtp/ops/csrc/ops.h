@@ -46,4 +46,11 @@ inline void check(const at::Tensor& t, const char* op, const char* name, at::Sca
     TORCH_CHECK(!contiguous || t.is_contiguous(), op, ": ", name, " must be contiguous");
 }
 
+// Every op's registration: its schema (the arguments and results that follow its name), its CPU kernel
+// `name` and its Meta shape function `name##_meta`, which Inductor and AOTInductor trace with.
+#define COMPILED_MTP_OP(name, signature)                                  \
+    TORCH_LIBRARY_FRAGMENT(compiled_mtp, m) { m.def(#name signature); }   \
+    TORCH_LIBRARY_IMPL(compiled_mtp, CPU, m) { m.impl(#name, name); }     \
+    TORCH_LIBRARY_IMPL(compiled_mtp, Meta, m) { m.impl(#name, name##_meta); }
+
 }  // namespace compiled_mtp

@@ -183,17 +183,7 @@ at::Tensor routed_experts_meta(const at::Tensor& x, const at::Tensor&, const at:
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(compiled_mtp, m) {
-    m.def("routed_experts(Tensor x, Tensor idx, Tensor weights, Tensor gate, Tensor up, Tensor down) -> Tensor");
-    m.def("dense_mlp(Tensor x, Tensor gate, Tensor up, Tensor down) -> Tensor");
-}
-TORCH_LIBRARY_IMPL(compiled_mtp, CPU, m) {
-    m.impl("routed_experts", routed_experts);
-    m.impl("dense_mlp", dense_mlp);
-}
-TORCH_LIBRARY_IMPL(compiled_mtp, Meta, m) {
-    m.impl("routed_experts", routed_experts_meta);
-    m.impl("dense_mlp", dense_mlp_meta);
-}
+COMPILED_MTP_OP(routed_experts, "(Tensor x, Tensor idx, Tensor weights, Tensor gate, Tensor up, Tensor down) -> Tensor")
+COMPILED_MTP_OP(dense_mlp, "(Tensor x, Tensor gate, Tensor up, Tensor down) -> Tensor")
 
 }  // namespace compiled_mtp

@@ -23,6 +23,7 @@ from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeDecoderLayer
 
 from compiled_mtp.models.checkpoint import load_model, save_checkpoint
 from tests import checkpoints
+from tests.strategies import draw_moe
 
 # GLM-4.5's FP8 release quantizes every decoder linear but the router; k_proj and v_proj included.
 FP8_WEIGHT = re.compile(
@@ -67,25 +68,12 @@ def glm_config_strategy(draw: st.DrawFn) -> Glm4MoeConfig:
     """Tiny configs over qk-norm on/off, bias on/off, partial rotary factors, GQA ratios, head sizes,
     group routing, dense/MoE mixes and a tied or separate LM head."""
     num_layers = draw(st.integers(1, 3))
-    n_group = draw(st.sampled_from([1, 2]))
-    per_group = draw(st.integers(2, 4))  # the group score sums each group's top-2 experts
-    topk_group = draw(st.integers(1, n_group))
     kv_heads = draw(st.sampled_from([1, 2, 4]))
     return glm_config(
-        vocab_size=2 * draw(st.integers(25, 150)) + 1,
-        hidden_size=draw(st.sampled_from([16, 32])),
-        num_hidden_layers=num_layers,
+        **draw_moe(draw, num_layers, (1, 2)),
         num_attention_heads=kv_heads * draw(st.sampled_from([1, 2, 4])),
         num_key_value_heads=kv_heads,
         head_dim=draw(st.sampled_from([8, 16])),
-        n_routed_experts=n_group * per_group,
-        n_group=n_group,
-        topk_group=topk_group,
-        num_experts_per_tok=draw(st.integers(1, topk_group * per_group)),
-        n_shared_experts=draw(st.sampled_from([1, 2])),
-        first_k_dense_replace=draw(st.integers(0, num_layers)),
-        norm_topk_prob=draw(st.booleans()),
-        routed_scaling_factor=draw(st.sampled_from([1.0, 2.5])),
         attention_bias=draw(st.booleans()),
         use_qk_norm=draw(st.booleans()),
         tie_word_embeddings=draw(st.booleans()),

@@ -55,18 +55,14 @@ TINY_YARN: dict[str, Any] = {
     "beta_fast": 32,
     "beta_slow": 1,
 }
-_TINY: dict[str, Any] = dict(
+# What the tiny configs of every family share: 8 experts in 2 groups, the first layer dense, one MTP layer.
+TINY_MOE: dict[str, Any] = dict(
     vocab_size=97,
     hidden_size=32,
     intermediate_size=48,
     moe_intermediate_size=16,
     num_hidden_layers=2,
     num_attention_heads=4,
-    q_lora_rank=24,
-    kv_lora_rank=16,
-    qk_nope_head_dim=8,
-    qk_rope_head_dim=8,
-    v_head_dim=12,
     n_routed_experts=8,
     num_experts_per_tok=2,
     n_group=2,
@@ -77,10 +73,18 @@ _TINY: dict[str, Any] = dict(
     norm_topk_prob=True,
     max_position_embeddings=256,
     num_nextn_predict_layers=1,
-    rope_parameters=TINY_YARN,
-    rope_interleave=True,
     bos_token_id=0,
     eos_token_id=1,
+)
+_TINY: dict[str, Any] = dict(
+    q_lora_rank=24,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    **TINY_MOE,
+    rope_parameters=TINY_YARN,
+    rope_interleave=True,
 )
 
 
@@ -126,9 +130,9 @@ def _randomize_(module: torch.nn.Module, gen: torch.Generator) -> None:
         t.copy_(value)
 
 
-def _build_model(config: DeepseekV3Config, seed: int) -> DeepseekV3ForCausalLM:
+def _build_model(config: Any, seed: int, model_class: type = DeepseekV3ForCausalLM) -> Any:
     """The seeded fp32 target model (all weights drawn from a generator seeded with `seed`)."""
-    model = DeepseekV3ForCausalLM(config).eval()
+    model = model_class(config).eval()
     _randomize_(model, torch.Generator().manual_seed(seed))
     return model
 
@@ -172,13 +176,15 @@ def _mtp_layer_state(
     return state
 
 
-def _random_mtp_state(model: DeepseekV3ForCausalLM, num_mtp_layers: int, seed: int) -> dict[str, Tensor]:
-    """Seeded random MTP layers (MoE blocks, random norms and eh_proj) for `model`."""
+def _random_mtp_state(
+    model: Any, num_mtp_layers: int, seed: int, layer_class: type = DeepseekV3DecoderLayer
+) -> dict[str, Tensor]:
+    """Seeded random MTP layers (MoE blocks of `layer_class`, random norms and eh_proj) for `model`."""
     gen = torch.Generator().manual_seed(seed + 1_000_003)
     config, hidden = model.config, model.config.hidden_size
     state: dict[str, Tensor] = {}
     for i in range(num_mtp_layers):
-        block = DeepseekV3DecoderLayer(config.get_mtp_config(), layer_idx=0)
+        block = layer_class(config.get_mtp_config(), layer_idx=0)
         _randomize_(block, gen)
         norms = {n: torch.rand(hidden, generator=gen) + 0.5 for n in ("enorm", "hnorm", "shared_head.norm")}
         eh_proj = torch.randn(hidden, 2 * hidden, generator=gen) / math.sqrt(2 * hidden)
@@ -249,11 +255,12 @@ def set_config_fields(path: str | Path, remove: tuple[str, ...] = (), **fields: 
 # ----------------------------------------------------------------------------- writers
 
 
-def _convert(tensors: dict[str, Tensor], dtype: torch.dtype, fp8: bool) -> dict[str, Tensor]:
-    """Cast to `dtype` (e_score_correction_bias stays float32, as released) and FP8-quantize linears."""
+def _convert(tensors: dict[str, Tensor], dtype: torch.dtype, fp8: re.Pattern | None) -> dict[str, Tensor]:
+    """Cast to `dtype` (e_score_correction_bias stays float32, as released) and FP8-quantize the
+    weights `fp8` matches."""
     out = {}
     for key, value in tensors.items():
-        if fp8 and FP8_WEIGHT.match(key):
+        if fp8 is not None and fp8.match(key):
             out[key], out[f"{key}_scale_inv"] = quantize_fp8(value)
         elif key.endswith("e_score_correction_bias"):
             out[key] = value.float().contiguous()
@@ -269,9 +276,10 @@ def _save(
     *,
     dtype: torch.dtype,
     max_shard_size: int | str | None,
-    fp8: bool,
+    fp8: re.Pattern | None,
 ) -> Path:
-    """save_pretrained, then add `mtp_state` to the last shard, cast / quantize, and patch config.json."""
+    """save_pretrained, then add `mtp_state` to the last shard, cast / quantize the weights `fp8`
+    matches, and patch config.json."""
     path.mkdir(parents=True, exist_ok=True)
     if max_shard_size is None:
         model.save_pretrained(path)
@@ -283,7 +291,7 @@ def _save(
         return _convert(tensors | mtp_state if file == last else tensors, dtype, fp8)
 
     rewrite_tensors(path, edit)
-    fields: dict[str, Any] = {"quantization_config": FP8_QUANTIZATION_CONFIG} if fp8 else {}
+    fields: dict[str, Any] = {"quantization_config": FP8_QUANTIZATION_CONFIG} if fp8 is not None else {}
     set_config_fields(path, dtype=str(dtype).removeprefix("torch."), **fields)
     return path
 
@@ -306,10 +314,26 @@ def write_checkpoint(
     `weight_scale_inv` block scales and adds `quantization_config`; such a checkpoint does not
     load in HF: compare against `read_state_dict` or load `dequantize_checkpoint`'s copy.
     """
+    return write_random(
+        path, config, seed, num_mtp_layers, dtype, max_shard_size, FP8_WEIGHT if fp8 else None
+    )
+
+
+def write_random(
+    path: str | Path,
+    config: Any,
+    seed: int,
+    num_mtp_layers: int,
+    dtype: torch.dtype,
+    max_shard_size: int | str | None,
+    fp8: re.Pattern | None,
+    classes: tuple[type, type] = (DeepseekV3ForCausalLM, DeepseekV3DecoderLayer),
+) -> Path:
+    """Any family's seeded random checkpoint: `classes` are HF's model and decoder layer classes."""
     config = copy.deepcopy(config)
     config.num_nextn_predict_layers = num_mtp_layers
-    model = _build_model(config, seed)
-    mtp_state = _random_mtp_state(model, num_mtp_layers, seed)
+    model = _build_model(config, seed, classes[0])
+    mtp_state = _random_mtp_state(model, num_mtp_layers, seed, classes[1])
     return _save(Path(path), model, mtp_state, dtype=dtype, max_shard_size=max_shard_size, fp8=fp8)
 
 
@@ -374,7 +398,7 @@ def write_echo_checkpoint(
     }
     eh_proj = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1)
     mtp_state = _mtp_layer_state(model, block, norms, eh_proj, config.num_hidden_layers)
-    return _save(Path(path), model, mtp_state, dtype=dtype, max_shard_size=None, fp8=False)
+    return _save(Path(path), model, mtp_state, dtype=dtype, max_shard_size=None, fp8=None)
 
 
 def write_distilled_checkpoint(

@@ -8,16 +8,13 @@ ships it. The shared helpers (weights, MTP layer keys, saving, distilling) are t
 
 from __future__ import annotations
 
-import copy
 import json
-import math
 import re
 from pathlib import Path
 from typing import Any
 
 import torch
 from hypothesis import strategies as st
-from torch import Tensor
 from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
 from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeDecoderLayer
 
@@ -31,29 +28,12 @@ FP8_WEIGHT = re.compile(
     r"|mlp\.(shared_experts\.|experts\.\d+\.)?(gate_proj|up_proj|down_proj))\.weight$"
 )
 _TINY: dict[str, Any] = dict(
-    vocab_size=97,
-    hidden_size=32,
-    intermediate_size=48,
-    moe_intermediate_size=16,
-    num_hidden_layers=2,
-    num_attention_heads=4,
+    **checkpoints.TINY_MOE,
     num_key_value_heads=2,
     head_dim=16,
-    n_routed_experts=8,
-    num_experts_per_tok=2,
-    n_group=2,
-    topk_group=1,
-    first_k_dense_replace=1,
-    n_shared_experts=1,
-    routed_scaling_factor=2.5,
-    norm_topk_prob=True,
     attention_bias=True,
     use_qk_norm=True,
-    max_position_embeddings=256,
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-    num_nextn_predict_layers=1,
-    bos_token_id=0,
-    eos_token_id=1,
 )
 
 
@@ -85,22 +65,6 @@ def glm_config_strategy(draw: st.DrawFn) -> Glm4MoeConfig:
     )
 
 
-def _random_mtp_state(model: Glm4MoeForCausalLM, num_mtp_layers: int, seed: int) -> dict[str, Tensor]:
-    """Seeded random MTP layers (MoE blocks, random norms and eh_proj) for `model`."""
-    gen = torch.Generator().manual_seed(seed + 1_000_003)
-    config, hidden = model.config, model.config.hidden_size
-    state: dict[str, Tensor] = {}
-    for i in range(num_mtp_layers):
-        block = Glm4MoeDecoderLayer(config.get_mtp_config(), layer_idx=0)
-        checkpoints._randomize_(block, gen)
-        norms = {n: torch.rand(hidden, generator=gen) + 0.5 for n in ("enorm", "hnorm", "shared_head.norm")}
-        eh_proj = torch.randn(hidden, 2 * hidden, generator=gen) / math.sqrt(2 * hidden)
-        state |= checkpoints._mtp_layer_state(
-            model, block.state_dict(), norms, eh_proj, config.num_hidden_layers + i
-        )
-    return state
-
-
 def write_glm_checkpoint(
     path: str | Path,
     config: Glm4MoeConfig,
@@ -113,28 +77,16 @@ def write_glm_checkpoint(
     """Write a seeded random GLM-4 MoE checkpoint in the released layout with `num_mtp_layers` MTP
     layers. `fp8=True` stores the decoder linears as float8_e4m3fn with 128x128 block scales, as
     GLM-4.5-FP8 does (HF does not load it: compare with `checkpoints.dequantize_checkpoint`'s copy)."""
-    config = copy.deepcopy(config)
-    config.num_nextn_predict_layers = num_mtp_layers
-    model = Glm4MoeForCausalLM(config).eval()
-    checkpoints._randomize_(model, torch.Generator().manual_seed(seed))
-    mtp_state = _random_mtp_state(model, num_mtp_layers, seed)
-    path = checkpoints._save(
-        Path(path), model, mtp_state, dtype=torch.float32, max_shard_size=max_shard_size, fp8=False
+    return checkpoints.write_random(
+        path,
+        config,
+        seed,
+        num_mtp_layers,
+        torch.float32,
+        max_shard_size,
+        FP8_WEIGHT if fp8 else None,
+        (Glm4MoeForCausalLM, Glm4MoeDecoderLayer),
     )
-    if fp8:
-        checkpoints.rewrite_tensors(path, lambda _, tensors: _quantize(tensors))
-        checkpoints.set_config_fields(path, quantization_config=checkpoints.FP8_QUANTIZATION_CONFIG)
-    return path
-
-
-def _quantize(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
-    out = {}
-    for key, value in tensors.items():
-        if FP8_WEIGHT.match(key):
-            out[key], out[f"{key}_scale_inv"] = checkpoints.quantize_fp8(value)
-        else:
-            out[key] = value
-    return out
 
 
 def write_glm_distilled_checkpoint(

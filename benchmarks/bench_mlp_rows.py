@@ -1,0 +1,88 @@
+"""Why a verify of 4 rows costs more than a decode step of 1 on this CPU: a dense MLP's time at 1 and
+4 rows, against its weight bytes and its arithmetic.
+
+`compiled_mtp::dense_mlp` (the op fuse_dense_mlp puts in a verify graph) runs the default model's
+MLP shape (hidden 256, intermediate 1024) over `--layers` distinct weight sets in turn, so the
+weights are read from memory and the last-level cache as in a model's forward ("cold"), and over one
+set ("hot": the weights stay in cache). Beside each time: what streaming the weights at the
+measured copy bandwidth would take, and what the multiply-adds would take at the fp32 rate a large
+`torch.mm` reaches on the same threads. At 1 row the bytes set the pace; at 4 the multiply-adds
+come close to them, which a bound counting bytes alone does not see.
+
+    python benchmarks/bench_mlp_rows.py [--hidden 256] [--inter 1024] [--layers 11] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from compiled_mtp.ops import library
+
+
+def best_us(fn, reps: int, rounds: int) -> float:
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        best = min(best, (time.perf_counter() - start) / reps)
+    return best * 1e6
+
+
+def copy_gbs(rounds: int) -> float:
+    src = torch.ones(64 * 2**18)
+    dst = torch.empty_like(src)
+    return 2 * src.nbytes / best_us(lambda: dst.copy_(src), 1, rounds) / 1e3
+
+
+def mm_gflops(rounds: int) -> float:
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    return 2 * 1024**3 / best_us(lambda: torch.mm(a, b), 3, rounds) / 1e3
+
+
+def mlp_us(x: torch.Tensor, weights: list[tuple[torch.Tensor, ...]], rounds: int) -> tuple[float, float]:
+    """Microseconds of one dense_mlp call on x: each weight set in turn (cold), and the first alone (hot)."""
+    mlp = torch.ops.compiled_mtp.dense_mlp
+
+    def cold() -> None:
+        for g, u, d in weights:
+            mlp(x, g, u, d)
+
+    return best_us(cold, 50, rounds) / len(weights), best_us(lambda: mlp(x, *weights[0]), 200, rounds)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--inter", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=11, help="distinct weight sets read in turn (cold)")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    if not library.load():
+        raise SystemExit("error: the C++ ops did not build on this machine")
+    h, inter = args.hidden, args.inter
+    weights = [
+        (torch.randn(inter, h), torch.randn(inter, h), torch.randn(h, inter)) for _ in range(args.layers)
+    ]
+    nbytes = 3 * h * inter * 4
+    bandwidth, flops = copy_gbs(args.rounds), mm_gflops(args.rounds)
+    print(
+        f"{torch.get_num_threads()} threads; copy bandwidth {bandwidth:.1f} GB/s, torch.mm {flops:.0f} GFLOP/s; "
+        f"one MLP: {nbytes / 1e6:.2f} MB, {nbytes / bandwidth / 1e3:.1f} us at copy bandwidth"
+    )
+    times = {}
+    for rows in (1, 4):
+        times[rows] = mlp_us(torch.randn(rows, h), weights, args.rounds)
+        arithmetic = 2 * rows * nbytes / 4 / flops / 1e3
+        print(
+            f"{rows} row(s): {times[rows][0]:6.1f} us cold, {times[rows][1]:6.1f} us hot; "
+            f"multiply-adds at the torch.mm rate {arithmetic:5.1f} us"
+        )
+    print(f"4 rows over 1: {times[4][0] / times[1][0]:.2f}x cold, {times[4][1] / times[1][1]:.2f}x hot")
+
+
+if __name__ == "__main__":
+    main()

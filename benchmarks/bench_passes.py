@@ -236,6 +236,12 @@ def bench_e2e(args: argparse.Namespace) -> dict:
                 f"tok/s{speedup} (compile {compile_s[k]:.0f} s)",
                 flush=True,
             )
+        for k in {0, 3} & runtimes.keys() - result[
+            "verify_weight_mb"
+        ].keys():  # same routing with or without passes
+            result["verify_weight_mb"][k] = {
+                how: n / 1e6 for how, n in verify_weight_bytes(runtimes[k], k, args).items()
+            }
         if args.steps_only:
             continue
         if name == "on" and 3 in runtimes:
@@ -246,12 +252,6 @@ def bench_e2e(args: argparse.Namespace) -> dict:
                 flush=True,
             )
         verify = {k: verify_call(runtimes[k], k, args) for k in (0, 3) if k in runtimes}
-        for k in (
-            verify.keys() - result["verify_weight_mb"].keys()
-        ):  # the routing is the same with or without passes
-            result["verify_weight_mb"][k] = {
-                how: n / 1e6 for how, n in verify_weight_bytes(runtimes[k], k, args).items()
-            }
         if set(verify) == {0, 3}:
             result["verify_ms"][name] = paired_best_ms(verify, args.runs * 3)
             with same_experts(model):
@@ -267,9 +267,9 @@ def bench_e2e(args: argparse.Namespace) -> dict:
             f"  passes {name}: the LM head alone, 4 rows {h[4]:.1f} ms vs 1 row {h[1]:.1f} ms: {h[4] / h[1]:.2f}x",
             flush=True,
         )
-    if args.steps_only:
-        return result
-    cap = result["capacity_verify_ms"] = capacity_ms(model, args)
+    cap = {} if args.steps_only else capacity_ms(model, args)
+    if cap:
+        result["capacity_verify_ms"] = cap
     for batch, ms in cap.items():
         print(
             f"  target_verify K=3 B={batch}, max_seq_len {CAPACITY}: "
@@ -487,8 +487,9 @@ def main() -> None:
     parser.add_argument(
         "--steps-only",
         action="store_true",
-        help="e2e: time the decode steps per depth only, not the draft-step, verify, LM-head and capacity "
-        "parts (whose many graphs take long to compile for the dsv3-proportions preset)",
+        help="e2e: time the decode steps per depth and count the weight bytes a verify reads, but not the "
+        "draft-step, verify, LM-head and capacity timings (whose many graphs take long to compile for the "
+        "dsv3-proportions preset)",
     )
     parser.add_argument(
         "--cache-dir",

@@ -1,0 +1,103 @@
+"""Is a commit slower than another? The same decode, on each commit's own code, timed in turns.
+
+Each REV is checked out in a git worktree of its own (under --work), and one process per REV and
+round imports the engine from there (PYTHONPATH), loads its graphs from a capture cache of its own
+(built by a first, untimed round), and times the decode steps of `--prompts` held-out prompts of 64
+tokens, 64 new tokens each, at B = 1 and depth --depth on the shipped model of that commit. The
+REVs take turns within every round, so a change in the machine's memory speed meets them all; a
+REV's figure is its best round's fastest generation (ms per decode step), beside its median round.
+
+    python benchmarks/bench_commits.py HEAD~1 HEAD [--depth 3] [--rounds 3] [--draft-vocab 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# Run inside the child process, against the commit's own package: only API every commit since the
+# capture cache and held-out prompts (November 2026) has.
+CHILD = """
+import json, sys, time
+from compiled_mtp import DEFAULT_MODEL, Runtime, SamplingParams
+from compiled_mtp.bench import bench_prompts
+depth, cache, prompts, vocab = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]) or None
+rt = Runtime.from_pretrained(
+    DEFAULT_MODEL, mtp_depth=depth, batch_sizes=(1,), max_seq_len=256, cache_dir=cache, draft_vocab=vocab
+)
+params = SamplingParams(max_new_tokens=64, ignore_eos=True)
+prompts = bench_prompts(DEFAULT_MODEL, 0, prompts, 64).token_ids
+rt.generate(prompts[:1], params)
+step_ms = []
+for prompt in prompts:
+    rt.add_request(prompt, params)
+    rt.step()  # the prefill
+    steps, start = 0, time.perf_counter()
+    while rt.has_unfinished():
+        rt.step()
+        steps += 1
+    step_ms.append(1e3 * (time.perf_counter() - start) / steps)
+print(json.dumps(step_ms))
+"""
+
+
+def checkout(rev: str, work: Path) -> Path:
+    """A detached worktree of `rev` under `work` (made once)."""
+    sha = subprocess.run(["git", "rev-parse", "--short", rev], capture_output=True, text=True, check=True)
+    tree = work / sha.stdout.strip()
+    if not tree.exists():
+        subprocess.run(
+            ["git", "worktree", "add", "--detach", str(tree), rev], check=True, capture_output=True
+        )
+    return tree
+
+
+def run(tree: Path, args: argparse.Namespace) -> list[float]:
+    """Milliseconds per decode step of each prompt's generation, on `tree`'s code."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    argv = [str(args.depth), str(tree / ".capture"), str(args.prompts), str(args.draft_vocab)]
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, *argv], env=env, capture_output=True, text=True, cwd=tree, check=False
+    )
+    if out.returncode:
+        raise SystemExit(f"error: {tree.name}: {out.stderr.strip().splitlines()[-1]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("revs", nargs="+", help="commits to compare; ratios are against the first")
+    parser.add_argument("--depth", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--draft-vocab", type=int, default=1024, help="0: every token")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/compiled_mtp_commits"))
+    args = parser.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    trees = {rev: checkout(rev, args.work) for rev in args.revs}
+    for rev, tree in trees.items():
+        start = time.perf_counter()
+        run(tree, args)  # builds the graphs into the tree's own cache
+        print(f"{rev} ({tree.name}): ready in {time.perf_counter() - start:.0f} s", flush=True)
+    best: dict[str, list[float]] = {rev: [] for rev in trees}
+    for r in range(args.rounds):
+        for rev, tree in trees.items():
+            best[rev].append(min(run(tree, args)))
+        print(f"round {r + 1}: " + "  ".join(f"{rev} {best[rev][-1]:.3f}" for rev in trees), flush=True)
+    base = min(best[args.revs[0]])
+    print(f"\nms per decode step at K={args.depth}, B=1 (best of {args.rounds} rounds; median round)")
+    for rev in trees:
+        print(
+            f"  {rev:<12} {min(best[rev]):7.3f}  ({statistics.median(best[rev]):.3f})"
+            f"  {min(best[rev]) / base:5.2f}x the first"
+        )
+
+
+if __name__ == "__main__":
+    main()

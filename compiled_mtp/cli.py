@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from . import bench
@@ -16,6 +16,7 @@ from .capture.cache import GraphCache, user_cache
 from .capture.compiler import progress
 from .capture.profile import DEFAULT_MODEL, PROFILES, Profile, ProfileError, load_profile
 from .depth_policy import depth_arg
+from .detokenize import IncrementalText
 from .graphs.plan import example_inputs
 from .graphs.state import LAG_WINDOW
 from .models.config import CheckpointError
@@ -99,88 +100,52 @@ def _ids_text(ids: list[int]) -> str:
     return " ".join(map(str, ids))
 
 
-class _Text:
-    """One request's output as its tokens are committed: the text safe to show so far, cut before the
-    first stop string."""
-
-    def __init__(self, head: str, decode: Callable[[list[int]], str], stops: list[str]) -> None:
-        self.decode, self.stops = decode, stops
-        self.ids: list[int] = []
-        self.text = ""  # the output so far, written or in `unwritten`
-        self.unwritten = head
-        self.stopped = False  # at a stop string: later tokens are dropped
-        self.out: RequestOutput | None = None  # once the runtime finished the request
-
-    def add(self, ids: list[int], out: RequestOutput | None) -> None:
-        self.out = out
-        if self.stopped:
-            return
-        self.ids += ids
-        text = self.decode(self.ids)
-        cut = min((i for i in map(text.find, self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            text, self.stopped = text[:cut], True
-        elif out is None:
-            text = text[: len(text) - self._unsettled(text)]
-        self.unwritten += text[len(self.text) :]
-        self.text = text
-
-    def _unsettled(self, text: str) -> int:
-        """Trailing characters the next tokens may still change: bytes of an incomplete UTF-8 character
-        (decoded as U+FFFD) or the beginning of a stop string."""
-        settled = text.rstrip("\ufffd")
-        return (
-            len(text)
-            - len(settled)
-            + max([0] + [n for s in self.stops for n in range(1, len(s)) if settled.endswith(s[:n])])
-        )
-
-    def take(self) -> str:
-        """The text not written yet; once finished, with its finish line."""
-        chunk, self.unwritten = self.unwritten, ""
-        if self.out is not None:
-            reason = "stop" if self.stopped else self.out.finish_reason
-            out = self.out
-            chunk += f"\nfinish_reason={reason} drafted={out.num_draft_tokens} accepted={out.num_accepted_tokens}\n"
-        return chunk
-
-
 def _run(
     rt: Runtime, prompts: list, heads: list[str], params: SamplingParams, stops: list[str], stream: bool
 ) -> list[RequestOutput]:
     """Run the prompts to completion and write each one's head and text, in prompt order; with `stream`,
     as the tokens are committed (the next request's text follows once the one before it finished)."""
     decode = rt.tokenizer.decode if rt.tokenizer else _ids_text
-    texts = {rt.add_request(p, params): _Text(head, decode, stops) for p, head in zip(prompts, heads)}
-    pending = list(texts.values())  # not yet written in full, in prompt order
+    texts = {
+        rt.add_request(p, params): IncrementalText(decode, stops, head) for p, head in zip(prompts, heads)
+    }
+    outs: dict[int, RequestOutput] = {}
+    pending = list(texts)  # ids not yet written in full, in prompt order
     while rt.has_unfinished():
         for s in rt.step():
             text = texts[s.request_id]
-            text.add(s.new_token_ids, s.output)
-            if text.stopped and text.out is None:  # at a stop text: the request ends here, its slot goes
-                text.out = rt.abort(s.request_id)
+            text.add(s.new_token_ids, s.output is not None)
+            if s.output is not None:
+                outs[s.request_id] = s.output
+            elif text.stopped and (aborted := rt.abort(s.request_id)):  # at a stop text: its slot goes
+                outs[s.request_id] = aborted
         while stream and pending:
-            sys.stdout.write(pending[0].take())
-            if pending[0].out is None:
+            sys.stdout.write(_take(texts[pending[0]], outs.get(pending[0])))
+            if pending[0] not in outs:
                 break
             pending.pop(0)
         sys.stdout.flush()
-    for t in pending:
-        sys.stdout.write(t.take())
-    return [t.out for t in texts.values() if t.out is not None]  # all of them: none is unfinished
+    for i in pending:
+        sys.stdout.write(_take(texts[i], outs[i]))
+    return [outs[i] for i in texts]
+
+
+def _take(text: IncrementalText, out: RequestOutput | None) -> str:
+    """The text not written yet; once the request finished, with its finish line."""
+    chunk = text.take()
+    if out is not None:
+        reason = "stop" if text.stopped else out.finish_reason
+        chunk += (
+            f"\nfinish_reason={reason} drafted={out.num_draft_tokens} accepted={out.num_accepted_tokens}\n"
+        )
+    return chunk
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
     texts = _prompt_texts(args)
     if "" in args.stop:
         raise ValueError("stop: must not be empty")
-    options = _engine_options(args, _profile_for(args))
-    if args.mtp_depth is not None:
-        extra = () if args.mtp_depth == "auto" else (args.mtp_depth,)
-        options |= {
-            "mtp_depth": args.mtp_depth,
-            "mtp_depths": (*options.get("mtp_depths", ()), *extra) or None,
-        }
+    options = _runtime_options(args)
     rt = Runtime.from_pretrained(args.model, **options)
     if args.stop and rt.tokenizer is None:
         raise ValueError(f"stop: {args.model} has no tokenizer.json to decode text with")
@@ -200,6 +165,19 @@ def cmd_generate(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     outs = _run(rt, prompts, heads, params, args.stop, args.stream)
     _report(rt, outs, time.perf_counter() - start)
+
+
+def _runtime_options(args: argparse.Namespace) -> dict:
+    """generate's and serve's engine settings: those of `_engine_options`, with --mtp-depth's depth
+    added to the captured ones."""
+    options = _engine_options(args, _profile_for(args))
+    if args.mtp_depth is not None:
+        extra = () if args.mtp_depth == "auto" else (args.mtp_depth,)
+        options |= {
+            "mtp_depth": args.mtp_depth,
+            "mtp_depths": (*options.get("mtp_depths", ()), *extra) or None,
+        }
+    return options
 
 
 def _profile_for(args: argparse.Namespace) -> Profile | None:
@@ -318,13 +296,7 @@ def cmd_capture(args: argparse.Namespace) -> None:
     )
     start = time.perf_counter()
     with parallel.helpers(rt, model, options, keys, args.processes) as started:
-        for i, key in enumerate(keys, 1):
-            bar = "#" * (20 * i // len(keys))
-            print(f"[{bar:<20}] {i}/{len(keys)} {key.name:<22}", end=" ", flush=True)
-            graph_start, compiles = time.perf_counter(), rt.graphs.compiles
-            rt.graphs.prepare(key, example_inputs(key, rt.model, rt.prefill_chunk))
-            how = "built" if rt.graphs.compiles > compiles else "loaded"
-            print(f"{how} in {time.perf_counter() - graph_start:.1f} s", flush=True)
+        _ready_with_bar(rt, keys)
     built, held = rt.graphs.compiles, GraphCache(cache.root).artifacts(environment)
     beside = f" ({started} helper process{'es' * (started > 1)} built beside this one)" if started else ""
     print(
@@ -332,6 +304,67 @@ def cmd_capture(args: argparse.Namespace) -> None:
         f"it holds {len(held)} graphs, {_size(sum(a.size for a in held))} "
         f"(list them: compiled-mtp inspect --cache-dir {cache.root})"
     )
+
+
+def _ready_with_bar(rt: Runtime, keys: list) -> None:
+    """Load or build each graph of `keys`, a progress-bar line each."""
+    for i, key in enumerate(keys, 1):
+        bar = "#" * (20 * i // len(keys))
+        print(f"[{bar:<20}] {i}/{len(keys)} {key.name:<22}", end=" ", flush=True)
+        graph_start, compiles = time.perf_counter(), rt.graphs.compiles
+        rt.graphs.prepare(key, example_inputs(key, rt.model, rt.prefill_chunk))
+        how = "built" if rt.graphs.compiles > compiles else "loaded"
+        print(f"{how} in {time.perf_counter() - graph_start:.1f} s", flush=True)
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    """host:port bound at once, so that a taken port fails before any graph is built; it accepts
+    connections once the server starts."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port: must be in [0, 65535], got {port}")
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except (OSError, OverflowError) as e:
+        sock.close()
+        raise ValueError(f"host/port: cannot listen on {host}:{port} ({e})") from None
+    return sock
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    try:  # the serve extra; the engine alone does not need it
+        from .server.app import create_app, http_server
+        from .server.chat import ChatTemplate
+    except ImportError as e:
+        raise ValueError(f"serve: {e.name} is not installed; pip install 'compiled_mtp[serve]'") from None
+    if args.max_queue < 0:
+        raise ValueError(f"max_queue: must be >= 0, got {args.max_queue}")
+    sock = _listening_socket(args.host, args.port)
+    options = _runtime_options(args)
+    if args.batch_sizes is not None:
+        options["batch_sizes"] = args.batch_sizes
+    rt = Runtime.from_pretrained(args.model, **options)
+    if rt.tokenizer is None:
+        raise ValueError(f"model: {args.model} has no tokenizer.json; the server needs one to return text")
+    keys = list(rt.graphs.keys)
+    if rt.graphs.cache:
+        missing = len(parallel.missing(rt, keys))
+        what = f"building {missing} of {len(keys)} graphs" if missing else f"loading {len(keys)} graphs"
+        print(f"{what} ({rt.graphs.cache.root}) before serving", flush=True)
+        progress.disabled = True  # the bar reports each graph
+        with parallel.helpers(rt, args.model, options, keys):
+            _ready_with_bar(rt, keys)
+    name = args.model.resolve().name
+    app = create_app(rt, name, ChatTemplate.of_checkpoint(args.model), args.api_key, args.max_queue)
+    sock.listen()  # connections wait in the backlog until the server's loop accepts them
+    host, port = sock.getsockname()[:2]
+    print(
+        f"serving {name} on http://{host}:{port}/v1 ({rt.num_slots} slots, K={rt.mtp_depth}, "
+        f"queue {args.max_queue}); SIGTERM or Ctrl-C drains and exits",
+        flush=True,
+    )
+    http_server(app).run(sockets=[sock])
 
 
 def cmd_inspect(args: argparse.Namespace) -> None:
@@ -391,6 +424,32 @@ def _add_engine_options(p: argparse.ArgumentParser, backend: bool = True) -> Non
     add_pass_switch(p)
 
 
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    """--model, --profile and --mtp-depth, as generate and serve take them."""
+    p.add_argument(
+        "--model", type=Path, default=DEFAULT_MODEL, help="checkpoint directory (default: the shipped model)"
+    )
+    p.add_argument(
+        "--profile",
+        type=Path,
+        help="take buckets, depths and engine settings from a capture profile (default: none)",
+    )
+    p.add_argument(
+        "--mtp-depth",
+        type=depth_arg,
+        help="draft tokens per step, or 'auto' to choose each step's depth among 0..3 (or the profile's) "
+        "from measured speed and acceptance (default: 3, or the profile's largest depth)",
+    )
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    """A command line's list of integers, e.g. 1,4."""
+    try:
+        return tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}") from None
+
+
 def _add_cache_option(p: argparse.ArgumentParser, optional: bool = False) -> None:
     """--cache-dir, defaulting to the per-user cache; `optional`: also --no-cache."""
     p.add_argument(
@@ -431,20 +490,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="prompts are token ids (default: text, when the model has a tokenizer)",
     )
-    g.add_argument(
-        "--model", type=Path, default=DEFAULT_MODEL, help="checkpoint directory (default: the shipped model)"
-    )
-    g.add_argument(
-        "--profile",
-        type=Path,
-        help="take buckets, depths and engine settings from a capture profile (default: none)",
-    )
-    g.add_argument(
-        "--mtp-depth",
-        type=depth_arg,
-        help="draft tokens per step, or 'auto' to choose each step's depth among 0..3 (or the profile's) "
-        "from measured speed and acceptance (default: 3, or the profile's largest depth)",
-    )
+    _add_model_options(g)
     g.add_argument(
         "--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default: %(default)s)"
     )
@@ -520,6 +566,30 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_options(c, backend=False)
     _add_cache_option(c)
     c.set_defaults(func=cmd_capture)
+
+    sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the serve extra)")
+    _add_model_options(sv)
+    sv.add_argument(
+        "--batch-sizes",
+        type=_int_list,
+        metavar="B,B",
+        help="batch buckets to capture; the largest is the number of slots (default: the profile's, else 1)",
+    )
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    sv.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    sv.add_argument(
+        "--api-key", help="require `Authorization: Bearer KEY` on every path but /health (default: none)"
+    )
+    sv.add_argument(
+        "--max-queue",
+        type=int,
+        default=256,
+        metavar="N",
+        help="requests that may wait for a slot; more are answered 429 (default: %(default)s)",
+    )
+    _add_engine_options(sv)
+    _add_cache_option(sv, optional=True)
+    sv.set_defaults(func=cmd_serve)
 
     i = sub.add_parser("inspect", help="list the graphs a capture cache holds")
     _add_cache_option(i)

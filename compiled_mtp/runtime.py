@@ -238,6 +238,27 @@ class Runtime:
         params = params or SamplingParams()
         return self._queue(self._check(prompt, params), params)
 
+    def check(self, prompt: Sequence[int] | str, params: SamplingParams) -> list[int]:
+        """Validate a request as `add_request` does, without queueing it; returns the prompt's token ids.
+        Raises ValueError (naming the field). Reads only settings fixed at construction, so a thread
+        other than the one stepping the runtime may call it."""
+        return self._check(prompt, params)
+
+    @property
+    def num_slots(self) -> int:
+        """Requests that can run at once (the largest batch bucket); more wait for a free slot."""
+        return self.buckets[-1]
+
+    @property
+    def num_running(self) -> int:
+        """Requests holding a slot."""
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued for a free slot."""
+        return len(self._waiting)
+
     def _queue(self, prompt: list[int], params: SamplingParams) -> int:
         """Queue a request `_check` has passed."""
         seed = (
@@ -484,12 +505,14 @@ class Runtime:
 
     def stats(self) -> dict:
         """Acceptance length (tokens per request and decode step, depth-0 steps included), per-position
-        acceptance, decode steps per depth, replays per graph key, compiles and recompiles."""
+        acceptance (rates and counts), decode steps per depth, replays per graph key, compiles and recompiles."""
         s = self._stats
         return {
             "acceptance_length": acceptance_length(s.committed, s.request_steps),
             "request_steps": s.request_steps,
             "acceptance_rate_per_position": [a / p if p else 0.0 for a, p in zip(s.accepted, s.proposed)],
+            "draft_tokens_per_position": list(s.proposed),
+            "accepted_tokens_per_position": list(s.accepted),
             "draft_tokens": sum(s.proposed),
             "accepted_tokens": sum(s.accepted),
             "decode_steps": s.steps,

@@ -23,8 +23,10 @@ class Tokenizer:
         path = Path(checkpoint) / "tokenizer.json"
         return cls(path) if path.exists() else None
 
-    def encode(self, text: str) -> list[int]:
-        return self._impl.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; `add_special_tokens=False` leaves out those the tokenizer adds around it
+        (a chat template writes its own)."""
+        return self._impl.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int]) -> str:
         return self._impl.decode(ids)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -23,7 +24,9 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 from transformers import DeepseekV3ForCausalLM  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
+from compiled_mtp import DEFAULT_MODEL  # noqa: E402
 from compiled_mtp.hf_baseline import load_hf  # noqa: E402
+from compiled_mtp.models.synthetic import preset_config, write_random_checkpoint  # noqa: E402
 from tests.checkpoints import (  # noqa: E402
     tiny_config,
     write_checkpoint,
@@ -67,6 +70,16 @@ def distilled_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def distilled2_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """`write_distilled_checkpoint` with two MTP layers (depth 2 drafts with the second)."""
     return write_distilled_checkpoint(tmp_path_factory.mktemp("distilled2"), num_mtp_layers=2)
+
+
+@pytest.fixture(scope="session")
+def text_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random 2-layer checkpoint with the shipped model's tokenizer: text in and out, quickly."""
+    path = write_random_checkpoint(
+        tmp_path_factory.mktemp("text"), preset_config("tiny") | {"vocab_size": 4096, "num_hidden_layers": 2}
+    )
+    shutil.copy(DEFAULT_MODEL / "tokenizer.json", path)
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,6 @@ import argparse
 import logging
 import os
 import re
-import shutil
 import sys
 from pathlib import Path
 
@@ -16,25 +15,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compiled_mtp import DEFAULT_MODEL, RequestOutput, Runtime, SamplingParams
+from compiled_mtp import DEFAULT_MODEL, Runtime, SamplingParams
 from compiled_mtp.capture.compiler import progress
-from compiled_mtp.cli import _Text, build_parser, main
+from compiled_mtp.cli import build_parser, main
+from compiled_mtp.detokenize import IncrementalText
 from compiled_mtp.models.checkpoint import load_model
-from compiled_mtp.models.synthetic import preset_config, write_random_checkpoint
 from compiled_mtp.reference import reference_generate
 from compiled_mtp.tokenizer import Tokenizer
 
 ENGINE = ["--backend", "eager", "--max-seq-len", "128"]
-
-
-@pytest.fixture(scope="module")
-def text_model(tmp_path_factory):
-    """A random 2-layer checkpoint with the shipped model's tokenizer: text in and out, quickly."""
-    path = write_random_checkpoint(
-        tmp_path_factory.mktemp("text"), preset_config("tiny") | {"vocab_size": 4096, "num_hidden_layers": 2}
-    )
-    shutil.copy(DEFAULT_MODEL / "tokenizer.json", path)
-    return path
 
 
 def _fails(argv: list[str], capsys) -> str:
@@ -78,18 +67,16 @@ def test_streamed_text_is_never_taken_back(text, stops, chunks):
     cuts = [i for i in map(text.find, stops) if i >= 0]
     if cuts:
         expected = text[: min(cuts)]
-    out = _Text("", _utf8, stops)
+    out = IncrementalText(_utf8, stops)
     written, start = "", 0
     for n in chunks:
-        out.add(ids[start : start + n], None)
+        out.add(ids[start : start + n], False)
         start += n
         written += out.take()
         assert expected.startswith(written)
-    out.add(ids[start:], RequestOutput(0, [], finish_reason="length"))
-    assert (
-        written + out.take()
-        == f"{expected}\nfinish_reason={'stop' if cuts else 'length'} drafted=0 accepted=0\n"
-    )
+    out.add(ids[start:], True)
+    assert written + out.take() == expected
+    assert out.stopped == bool(cuts)
 
 
 PROMPTS = ["def f(x):", "class A:"]

@@ -80,28 +80,30 @@ class LlamaCppMTP:
     def __init__(self, gguf_path: Path, context: int, threads: int, depth: int) -> None:
         import llama_cpp as lib
         from llama_cpp import llama_cpp_ext as ext
+        from llama_cpp._utils import suppress_stdout_stderr  # how Llama(verbose=False) quiets loading
 
         if depth < 1:
             raise ValueError(f"depth: must be >= 1, got {depth}")
-        logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # its load log, as Llama(verbose=False)
-        lib.llama_backend_init()
-        self.lib, self.depth, self.context = lib, depth, context
-        params = lib.llama_model_default_params()
-        params.load_mtp = True
-        self.model = lib.llama_model_load_from_file(str(gguf_path).encode(), params)
-        if not self.model:
-            raise ValueError(f"{gguf_path}: llama.cpp cannot load it")
-        owned = [(lib.llama_model_free, self.model)]  # freed last-first when this peer goes
+        logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
+        self.lib, self.ext, self.depth, self.context = lib, ext, depth, context
+        owned: list[tuple[Any, Any]] = []  # freed last-first when this peer goes
         weakref.finalize(self, _free, owned)
-        if lib.llama_model_n_layer_nextn(self.model) == 0:
-            raise ValueError(f"{gguf_path}: has no MTP layer (export it with --with-mtp)")
-        self.target = self._context(lib.LLAMA_CONTEXT_TYPE_DEFAULT, threads)
-        owned.append((lib.llama_free, self.target))
-        self.mtp = self._context(lib.LLAMA_CONTEXT_TYPE_MTP, threads)
-        owned.append((lib.llama_free, self.mtp))
+        with suppress_stdout_stderr(disable=False):
+            lib.llama_backend_init()
+            params = lib.llama_model_default_params()
+            params.load_mtp = True
+            self.model = lib.llama_model_load_from_file(str(gguf_path).encode(), params)
+            if not self.model:
+                raise ValueError(f"{gguf_path}: llama.cpp cannot load it")
+            owned.append((lib.llama_model_free, self.model))
+            if lib.llama_model_n_layer_nextn(self.model) == 0:
+                raise ValueError(f"{gguf_path}: has no MTP layer (export it with --with-mtp)")
+            self.target = self._context(lib.LLAMA_CONTEXT_TYPE_DEFAULT, threads)
+            owned.append((lib.llama_free, self.target))
+            self.mtp = self._context(lib.LLAMA_CONTEXT_TYPE_MTP, threads)
+            owned.append((lib.llama_free, self.mtp))
         ext.llama_set_embeddings_nextn(self.target, True, False)  # a hidden row per batch row
         ext.llama_set_embeddings_nextn(self.mtp, True, True)  # a hidden row per output row
-        self.ext = ext
         self.width = lib.llama_model_n_embd_out(self.model)
         self.vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model))
         self.drafted = self.accepted = 0

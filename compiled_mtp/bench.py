@@ -16,6 +16,11 @@ What it measures (greedy decoding throughout, the same prompts for every system)
   decode-only wall time per step;
 - HF transformers `generate` at each B and `generate(use_mtp=True)` at B = 1 (HF refuses batches),
   the same way: warm-up run, best of `--runs`, whole-call wall time;
+- on CPU, where llama-cpp-python is installed, llama.cpp at B = 1 on a GGUF export of the same
+  checkpoint (llama_cpp_peer.py), taking its turns with the engine's systems: its plain greedy
+  decoding, and for each K > 0 its own MTP graph drafting K tokens a step (with the drafts it
+  accepted in the compared generation); each row's greedy tokens are compared with the engine's. A
+  llama.cpp without the MTP graph leaves those rows out with a one-line note;
 - the memory-bandwidth bound: weight bytes one step must read (the target's parameters, counting one
   embedding row and only the shared plus `num_experts_per_tok` routed experts of a MoE layer, plus per
   draft step the MTP layer's, the shared LM head and one embedding row) over the measured copy bandwidth

@@ -75,7 +75,10 @@ class LlamaCppMTP:
     graph's own hidden (DeepSeek-V3's recursive MTP), then the target verifies [seed, d_1..d_K]
     in one batch. Rejected rows leave both caches, and the MTP rows written with drafted hiddens
     are rewritten with the target's at the next step's seed. The tokens are the target's greedy
-    ones; `drafted` and `accepted` count drafts over all calls."""
+    ones (llama.cpp's multi-row verify can break a near tie in the last bits otherwise than its
+    one-row decoding); `drafted` and `accepted` count drafts over all calls. At depth 1 the drafts
+    are the engine's; deeper, llama.cpp feeds back its MTP graph's own hidden, which need not be
+    the one the engine feeds back (after shared_head.norm)."""
 
     def __init__(self, gguf_path: Path, context: int, threads: int, depth: int) -> None:
         import llama_cpp as lib
@@ -122,13 +125,13 @@ class LlamaCppMTP:
 
     def generate(self, prompt: list[int], new_tokens: int) -> list[int]:
         """Greedy tokens after `prompt`, from empty caches (the prefill included)."""
-        lib = self.lib
+        memory = self.lib.llama_get_memory
         for ctx in (self.target, self.mtp):
-            lib.llama_memory_clear(lib.llama_get_memory(ctx), True)
-        # The target's prefill; then every step starts as if it had verified `rows` at `start`
-        # and accepted the first `a` drafts after row 0, with `seed` its greedy next token.
+            self.lib.llama_memory_clear(memory(ctx), True)
+        # The prefill, then each step: `rows` went through the target from position `start`, its
+        # first `a` rows after row 0 are accepted, `seed` is the target's greedy token after them.
         rows, start = list(prompt), 0
-        hidden = self._decode(self.target, [(t, start + i, None) for i, t in enumerate(rows)], len(rows))
+        hidden = self._target(rows, start, logits=len(rows) - 1)
         a = len(rows) - 1
         seed = self._greedy(self.target, a)
         out = [seed]
@@ -137,42 +140,41 @@ class LlamaCppMTP:
             # MTP rows for the accepted positions (token i with the target's hidden i - 1), then the seed
             catch_up = [(rows[i], start + i, hidden[i - 1]) for i in range(1, a + 1)]
             drafts = self._draft(catch_up + [(seed, n, hidden[a])])
-            verified = [seed, *drafts]
-            hidden = self._decode(
-                self.target, [(t, n + i, None) for i, t in enumerate(verified)], len(verified)
-            )
-            greedy = [self._greedy(self.target, i) for i in range(len(verified))]
+            rows, start = [seed, *drafts], n
+            hidden = self._target(rows, start, logits=0)
+            greedy = [self._greedy(self.target, i) for i in range(len(rows))]
             a = 0
             while a < len(drafts) and drafts[a] == greedy[a]:
                 a += 1
             self.drafted += len(drafts)
             self.accepted += a
-            for ctx in (self.target, self.mtp):  # drop the rejected rows; the MTP's drafted ones too
-                lib.llama_memory_seq_rm(
-                    lib.llama_get_memory(ctx), 0, n + a + 1 if ctx is self.target else n + 1, -1
-                )
-            rows, start, seed = verified, n, greedy[a]
+            self.lib.llama_memory_seq_rm(memory(self.target), 0, n + a + 1, -1)  # the rejected drafts
+            self.lib.llama_memory_seq_rm(memory(self.mtp), 0, n + 1, -1)  # rows with drafted hiddens
+            seed = greedy[a]
             out += [*drafts[:a], seed]
         return out[:new_tokens]
+
+    def _target(self, tokens: list[int], start: int, logits: int) -> np.ndarray:
+        """The target over `tokens` from position `start`, logits for rows from `logits` on; returns
+        every row's hidden."""
+        self._decode(self.target, [(t, start + i, None) for i, t in enumerate(tokens)], logits)
+        hidden = self.ext.llama_get_embeddings_nextn(self.target)
+        return np.ctypeslib.as_array(hidden, (len(tokens), self.width)).copy()
 
     def _draft(self, rows: list[tuple[int, int, np.ndarray | None]]) -> list[int]:
         """`depth` drafts: the MTP graph over `rows` drafts d_1 from the last, then reads its own."""
         drafts: list[int] = []
-        token, pos = 0, rows[-1][1]
+        pos = rows[-1][1]
         while len(drafts) < self.depth:
-            self._decode(self.mtp, rows, 0)
-            token = self._greedy(self.mtp, len(rows) - 1)
-            drafts.append(token)
+            self._decode(self.mtp, rows, len(rows) - 1)
+            drafts.append(self._greedy(self.mtp, len(rows) - 1))
             own = self.ext.llama_get_embeddings_nextn_ith(self.mtp, len(rows) - 1)
             pos += 1
-            rows = [(token, pos, np.ctypeslib.as_array(own, (self.width,)).copy())]
+            rows = [(drafts[-1], pos, np.ctypeslib.as_array(own, (self.width,)).copy())]
         return drafts
 
-    def _decode(
-        self, ctx: Any, rows: list[tuple[int, int, np.ndarray | None]], hidden_rows: int
-    ) -> np.ndarray:
-        """One llama.cpp decode of (token, position, input hidden) rows, logits for the last row (all
-        rows on the target); returns the first `hidden_rows` output hiddens."""
+    def _decode(self, ctx: Any, rows: list[tuple[int, int, np.ndarray | None]], logits: int) -> None:
+        """One llama.cpp decode of (token, position, input hidden) rows, logits for rows from `logits` on."""
         lib = self.lib
         batch = lib.llama_batch_ext_init(ctx)
         try:
@@ -182,20 +184,13 @@ class LlamaCppMTP:
                 if state is not None:  # the MTP graph reads a row's hidden as the token's embedding
                     data = state.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
                     ok &= lib.llama_batch_ext_set_embd_token(batch, i, lib.llama_embd(data, 1, self.width))
-                ok &= lib.llama_batch_ext_set_output_logits(
-                    batch, i, ctx is self.target or i == len(rows) - 1
-                )
+                ok &= lib.llama_batch_ext_set_output_logits(batch, i, i >= logits)
                 if not ok:
                     raise RuntimeError(f"llama.cpp refused batch row {i} (token {token}, position {pos})")
             if (rc := lib.llama_process(ctx, lib.LLAMA_PROCESS_TYPE_DECODE, batch)) != 0:
                 raise RuntimeError(f"llama.cpp decode failed ({rc})")
         finally:
             lib.llama_batch_ext_free(batch)
-        if hidden_rows == 0:
-            return np.empty((0, self.width), np.float32)
-        return np.ctypeslib.as_array(
-            self.ext.llama_get_embeddings_nextn(ctx), (hidden_rows, self.width)
-        ).copy()
 
     def _greedy(self, ctx: Any, row: int) -> int:
         return int(np.argmax(np.ctypeslib.as_array(self.lib.llama_get_logits_ith(ctx, row), (self.vocab,))))

@@ -26,10 +26,11 @@ if not llama_cpp_peer.mtp_available():
 
 @pytest.fixture(scope="module")
 def exports(distilled_checkpoint, tmp_path_factory):
+    """The plain export, and the one with the MTP layer through the CLI."""
     folder = tmp_path_factory.mktemp("gguf")
-    return export_gguf(distilled_checkpoint, folder / "plain.gguf"), export_gguf(
-        distilled_checkpoint, folder / "mtp.gguf", with_mtp=True
-    )
+    plain, mtp = folder / "plain.gguf", folder / "mtp.gguf"
+    main(["export-gguf", "--model", str(distilled_checkpoint), "--out", str(mtp), "--with-mtp"])
+    return export_gguf(distilled_checkpoint, plain), mtp
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,11 @@ What it measures (greedy decoding throughout, the same prompts for every system)
   decode-only wall time per step;
 - HF transformers `generate` at each B and `generate(use_mtp=True)` at B = 1 (HF refuses batches),
   the same way: warm-up run, best of `--runs`, whole-call wall time;
+- on CPU, where llama-cpp-python is installed, llama.cpp at B = 1 on a GGUF export of the same
+  checkpoint (llama_cpp_peer.py), taking its turns with the engine's systems: its plain greedy
+  decoding, and for each K > 0 its own MTP graph drafting K tokens a step (with the drafts it
+  accepted in the compared generation); each row's greedy tokens are compared with the engine's. A
+  llama.cpp without the MTP graph leaves those rows out with a one-line note;
 - the memory-bandwidth bound: weight bytes one step must read (the target's parameters, counting one
   embedding row and only the shared plus `num_experts_per_tok` routed experts of a MoE layer, plus per
   draft step the MTP layer's, the shared LM head and one embedding row) over the measured copy bandwidth
@@ -49,7 +54,7 @@ from . import corpus, hf_baseline, llama_cpp_peer
 from .capture.cache import user_cache
 from .capture.compiler import BACKENDS
 from .capture.profile import DEFAULT_MODEL
-from .llama_cpp_peer import LlamaCpp
+from .llama_cpp_peer import LlamaCpp, LlamaCppMTP
 from .models.checkpoint import load_model
 from .models.draft_vocab import read_ranking
 from .models.family import CausalLM
@@ -142,8 +147,8 @@ class HFRun:
 
 @dataclass
 class PeerRun:
-    """Another engine on the same checkpoint, prompts and token counts, timed in turns with ours:
-    llama.cpp's plain greedy decoding at B = 1."""
+    """Another engine on the same checkpoint, prompts and token counts, timed in turns with ours at
+    B = 1: llama.cpp's plain greedy decoding, and its MTP speculative decoding at each depth."""
 
     system: str
     batch: int
@@ -151,6 +156,8 @@ class PeerRun:
     seconds: float
     same_tokens: bool  # its greedy tokens equal the engine's
     first_difference: int | None = None  # index of the first token that differs
+    drafted: int | None = None  # MTP rows: drafts made and accepted in the compared generation
+    accepted: int | None = None
 
 
 @dataclass
@@ -331,12 +338,16 @@ def _runtimes(model: CausalLM, args: argparse.Namespace) -> dict[int | str, Runt
     }
 
 
+Peers = dict[str, LlamaCpp | LlamaCppMTP]  # by the system name the report shows
+
+
 def bench_engine(
-    model: CausalLM, prompts: Prompts, args: argparse.Namespace, peer: LlamaCpp | None = None
+    model: CausalLM, prompts: Prompts, args: argparse.Namespace, peers: Peers | None = None
 ) -> tuple[list[Acceptance], list[EngineRun], list[PeerRun], int, int]:
     """Acceptance at every depth, then timings: per B, each system warmed up, then `runs` rounds in
-    which the systems take turns; at B = 1 the peer takes its turn too. Returns (acceptance, runs,
-    peer runs, compiles, recompiles)."""
+    which the systems take turns; at B = 1 the peers take their turns too. Returns (acceptance,
+    runs, peer runs, compiles, recompiles)."""
+    peers = peers or {}
     runtimes = _runtimes(model, args)
     acceptance = []
     for k, rt in runtimes.items():
@@ -351,20 +362,21 @@ def bench_engine(
         batch = prompts.token_ids[:b]
         for rt in runtimes.values():
             timed_generate(rt, batch, params)
-        if peer is not None and b == 1:
+        turns = peers if b == 1 else {}
+        for peer in turns.values():
             peer.generate(batch[0], args.new_tokens)
         timings: dict[int | str, list[Timing]] = {k: [] for k in runtimes}
         depths_before = runtimes["auto"].stats()["depth_histogram"] if "auto" in runtimes else {}
-        peer_seconds: list[float] = []
+        peer_seconds: dict[str, list[float]] = {name: [] for name in turns}
         for _ in range(args.runs):
             for k, rt in runtimes.items():
                 timings[k].append(timed_generate(rt, batch, params))
-            if peer is not None and b == 1:
-                peer_seconds.append(_peer_seconds(peer, batch[0], args.new_tokens))
-        if peer is not None and peer_seconds:
-            expected = next(iter(runtimes.values())).generate(batch, params)[0].token_ids
-            peer_runs.append(peer_run(peer.generate(batch[0], args.new_tokens), expected, peer_seconds))
-            print(f"  llama.cpp B=1: {peer_runs[-1].tokens_per_s:.1f} tok/s", flush=True)
+            for name, peer in turns.items():
+                peer_seconds[name].append(_peer_seconds(peer, batch[0], args.new_tokens))
+        expected = next(iter(runtimes.values())).generate(batch, params)[0].token_ids if turns else []
+        for name, peer in turns.items():
+            peer_runs.append(_compared_peer_run(name, peer, batch[0], expected, peer_seconds[name]))
+            print(f"  {name} B=1: {peer_runs[-1].tokens_per_s:.1f} tok/s", flush=True)
         for k, rt in runtimes.items():
             runs.append(engine_run(k, batch, args.new_tokens, timings[k]))
             if k == "auto":
@@ -377,18 +389,32 @@ def bench_engine(
     return acceptance, runs, peer_runs, sum(s["compiles"] for s in stats), sum(s["recompiles"] for s in stats)
 
 
-def _peer_seconds(peer: LlamaCpp, prompt: list[int], new_tokens: int) -> float:
+def _peer_seconds(peer: LlamaCpp | LlamaCppMTP, prompt: list[int], new_tokens: int) -> float:
     start = time.perf_counter()
     peer.generate(prompt, new_tokens)
     return time.perf_counter() - start
 
 
-def peer_run(tokens: list[int], expected: list[int], seconds: list[float]) -> PeerRun:
-    """llama.cpp's best of `seconds`; a token that differs from the engine's is reported, not hidden."""
+def _compared_peer_run(
+    name: str, peer: LlamaCpp | LlamaCppMTP, prompt: list[int], expected: list[int], seconds: list[float]
+) -> PeerRun:
+    """The peer's run, its tokens from one more generation (which its MTP counts are taken over)."""
+    if isinstance(peer, LlamaCppMTP):
+        peer.drafted = peer.accepted = 0
+    run = peer_run(peer.generate(prompt, len(expected)), expected, seconds, name)
+    if isinstance(peer, LlamaCppMTP):
+        run.drafted, run.accepted = peer.drafted, peer.accepted
+    return run
+
+
+def peer_run(
+    tokens: list[int], expected: list[int], seconds: list[float], system: str = "llama.cpp"
+) -> PeerRun:
+    """A peer's best of `seconds`; a token that differs from the engine's is reported, not hidden."""
     differ = next((i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b), None)
     if differ is None and len(tokens) != len(expected):
         differ = min(len(tokens), len(expected))
-    return PeerRun("llama.cpp", 1, len(expected) / min(seconds), min(seconds), differ is None, differ)
+    return PeerRun(system, 1, len(expected) / min(seconds), min(seconds), differ is None, differ)
 
 
 # ------------------------------------------------------------------------------------------ HF
@@ -570,7 +596,7 @@ def _auto_goals(runs: list[EngineRun]) -> list[Goal]:
 
 def _peer_goals(result: BenchResult) -> list[Goal]:
     """K=0 (>= 1.0x) and the best configuration (>= 1.5x) against llama.cpp at B = 1."""
-    peer = next(iter(result.peers), None)
+    peer = next((p for p in result.peers if p.system == "llama.cpp"), None)
     base = _engine_row(result.engine, 0, 1)
     best = max((r for r in result.engine if r.batch == 1), key=lambda r: r.tokens_per_s, default=None)
     out = []
@@ -693,7 +719,8 @@ def print_report(r: BenchResult) -> None:
             if p.same_tokens
             else f"greedy tokens DIFFER from the engine's at token {p.first_difference}"
         )
-        print(f"{p.system:<30}{p.batch:>3}{p.tokens_per_s:>10.1f}  {same}")
+        drafts = f"; accepted {p.accepted} of {p.drafted} drafts" if p.drafted is not None else ""
+        print(f"{p.system:<30}{p.batch:>3}{p.tokens_per_s:>10.1f}  {same}{drafts}")
     per_draft_step = ", ".join(f"{x / 1e6:.2f}" for x in bound.mtp_step_bytes) or "-"
     print(
         f"\nbound: copy bandwidth {bound.bandwidth_bytes_per_s / 1e9:.1f} GB/s; weights read per target forward "
@@ -868,13 +895,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-llama-cpp",
         action="store_true",
-        help="skip the llama.cpp row (default: run it on CPU when llama-cpp-python is installed)",
+        help="skip the llama.cpp rows (default: run them on CPU when llama-cpp-python is installed)",
     )
     add_pass_switch(parser)
 
 
-def _llama_cpp(args: argparse.Namespace, model_type: str, folder: Path) -> LlamaCpp | None:
-    """llama.cpp on a GGUF export of the model into `folder`, when it is installed and the device is the CPU."""
+def _llama_cpp(args: argparse.Namespace, model_type: str, folder: Path) -> Peers:
+    """llama.cpp on a GGUF export of the model into `folder`, when it is installed and the device is
+    the CPU: its plain decoding, and its MTP speculative decoding at each depth above 0 the bench
+    runs where its llama.cpp has the MTP graph."""
     skipped = (
         "--no-llama-cpp"
         if args.no_llama_cpp
@@ -888,9 +917,24 @@ def _llama_cpp(args: argparse.Namespace, model_type: str, folder: Path) -> Llama
         skipped = llama_cpp_peer.MISSING
     if skipped:
         print(f"  no llama.cpp row: {skipped}", flush=True)
-        return None
+        return {}
+    context, threads = args.prompt_len + args.new_tokens, torch.get_num_threads()
     path = export_gguf(args.model, folder / "model.gguf", GGUF_DTYPES[args.dtype])
-    return LlamaCpp(path, context=args.prompt_len + args.new_tokens, threads=torch.get_num_threads())
+    peers: Peers = {"llama.cpp": LlamaCpp(path, context=context, threads=threads)}
+    depths = [k for k in args.depths if k > 0]
+    if not depths:
+        return peers
+    if not llama_cpp_peer.mtp_available():
+        print(f"  no llama.cpp MTP rows: {llama_cpp_peer.NO_MTP}", flush=True)
+        return peers
+    path = export_gguf(args.model, folder / "mtp.gguf", GGUF_DTYPES[args.dtype], with_mtp=True)
+    try:
+        for k in depths:
+            peers[f"llama.cpp MTP K={k}"] = LlamaCppMTP(path, context, threads, k)
+    except ValueError as e:  # a llama.cpp whose deepseek2 loads no NextN block, or makes no MTP context
+        print(f"  no llama.cpp MTP rows: {e}", flush=True)
+        return {"llama.cpp": peers["llama.cpp"]}
+    return peers
 
 
 def run(args: argparse.Namespace) -> None:
@@ -936,9 +980,11 @@ def run(args: argparse.Namespace) -> None:
     print(f"benchmarking {args.model} on {meta.device_name}; prompts: {prompts.detail}", flush=True)
     target_bytes, mtp_bytes = weight_bytes(model)
     with tempfile.TemporaryDirectory() as folder:
-        peer = _llama_cpp(args, model.model_type, Path(folder))
-        acceptance, engine, peers, meta.compiles, meta.recompiles = bench_engine(model, prompts, args, peer)
-        del peer
+        systems = _llama_cpp(args, model.model_type, Path(folder))
+        acceptance, engine, peers, meta.compiles, meta.recompiles = bench_engine(
+            model, prompts, args, systems
+        )
+        del systems
     del model  # HF loads its own copy next
     hf, meta.hf_attention = bench_hf(args.model, prompts.token_ids, args)
     bandwidth = copy_bandwidth(args.device, args.copy_mb)

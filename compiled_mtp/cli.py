@@ -201,12 +201,11 @@ def cmd_random_checkpoint(args: argparse.Namespace) -> None:
 
 def cmd_export_gguf(args: argparse.Namespace) -> None:
     try:
-        path = export_gguf(args.model, args.out, args.dtype)
+        path = export_gguf(args.model, args.out, args.dtype, with_mtp=args.with_mtp)
     except ImportError as e:
         raise ValueError(str(e)) from None
-    print(
-        f"wrote {path} ({_size(path.stat().st_size)}): {args.model}'s target model for llama.cpp (it has no MTP layer)"
-    )
+    what = "target model and MTP layers" if args.with_mtp else "target model (no MTP layer)"
+    print(f"wrote {path} ({_size(path.stat().st_size)}): {args.model}'s {what} for llama.cpp")
 
 
 DEMO_PROMPT = 'def read_config(path):\n    """Return the parsed configuration file at *path*."""\n'
@@ -597,7 +596,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     x = sub.add_parser(
         "export-gguf",
-        help="write the model for llama.cpp (GGUF, its deepseek2 architecture; without the MTP layers)",
+        help="write the model for llama.cpp (GGUF, its deepseek2 architecture)",
     )
     x.add_argument(
         "--model", type=Path, default=DEFAULT_MODEL, help="checkpoint directory (default: the shipped model)"
@@ -608,6 +607,11 @@ def build_parser() -> argparse.ArgumentParser:
         choices=sorted(GGUF_DTYPES),
         default="f32",
         help="storage type of the weight matrices (default: f32)",
+    )
+    x.add_argument(
+        "--with-mtp",
+        action="store_true",
+        help="also write the MTP layers as llama.cpp's NextN blocks (for its MTP drafting)",
     )
     x.set_defaults(func=cmd_export_gguf)
 

@@ -98,16 +98,21 @@ def test_values_are_sane(result):
 
 
 def test_llama_cpp_row_when_installed(result):
-    """llama.cpp joins the B=1 turns where llama-cpp-python is installed (the bench extra), and its
-    greedy tokens equal the engine's on this checkpoint."""
+    """llama.cpp joins the B=1 turns where llama-cpp-python is installed (the bench extra), plainly
+    and with its MTP drafting at each depth above 0, and its greedy tokens equal the engine's on
+    this checkpoint."""
     data, _ = result
     goals = {g["id"]: g for g in data["goals"]}
     if not llama_cpp_peer.available():
         assert data["peers"] == [] and goals["vs_llama_cpp_k0"]["value"] is None
         return
-    (peer,) = data["peers"]
-    assert peer["system"] == "llama.cpp" and peer["batch"] == 1 and peer["tokens_per_s"] > 0
-    assert peer["same_tokens"] and peer["first_difference"] is None
+    mtp_rows = [f"llama.cpp MTP K={k}" for k in DEPTHS if k > 0] if llama_cpp_peer.mtp_available() else []
+    assert [p["system"] for p in data["peers"]] == ["llama.cpp", *mtp_rows]
+    for peer in data["peers"]:
+        assert peer["batch"] == 1 and peer["tokens_per_s"] > 0
+        assert peer["same_tokens"] and peer["first_difference"] is None
+        if peer["system"] != "llama.cpp":  # drafts of one generation; its echo MTP layer drafts well
+            assert 0 < peer["accepted"] <= peer["drafted"]
     assert goals["vs_llama_cpp_k0"]["value"] > 0
 
 

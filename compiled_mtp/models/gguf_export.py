@@ -2,7 +2,11 @@
 
 The bench runs llama.cpp on the very weights the engine serves, and users can take a model there.
 Names, metadata and the split of `kv_b_proj` follow llama.cpp's own converter for this architecture.
-llama.cpp's DeepSeek-V3 graph has no MTP layer, so the file holds the target model only.
+By default the file holds the target model only; `with_mtp=True` appends the MTP layers as
+llama.cpp's NextN blocks (block `num_hidden_layers + i`, `blk.N.nextn.*` for enorm, hnorm, eh_proj
+and shared_head.norm, its decoder tensors under the usual block names, `nextn_predict_layers` set),
+which llama.cpp's MTP graph drafts with (see llama_cpp_peer.LlamaCppMTP). Their copies of the
+embedding and head are left out, as the engine's: llama.cpp then uses the target's.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from torch import Tensor
 
 from .checkpoint import load_model
 from .config import ModelConfig
+from .registry import read_config
 
 if TYPE_CHECKING:  # gguf is an optional dependency, imported when an export runs
     from gguf import GGMLQuantizationType, GGUFWriter
@@ -35,13 +40,28 @@ def _gguf() -> ModuleType:
     return gguf
 
 
-def export_gguf(checkpoint: str | Path, out: str | Path, dtype: str = "f32") -> Path:
-    """Write `checkpoint`'s target model (FP8 weights dequantized) to the GGUF file `out`."""
+# The MTP layer's own tensors under llama.cpp's NextN names (the gguf package lists these for the
+# GLM-4 MoE architecture; llama.cpp's deepseek2 loader reads the same names).
+_NEXTN = {
+    "enorm": "NEXTN_ENORM",
+    "hnorm": "NEXTN_HNORM",
+    "eh_proj": "NEXTN_EH_PROJ",
+    "shared_head.norm": "NEXTN_SHARED_HEAD_NORM",
+}
+
+
+def export_gguf(checkpoint: str | Path, out: str | Path, dtype: str = "f32", with_mtp: bool = False) -> Path:
+    """Write `checkpoint`'s target model (FP8 weights dequantized) to the GGUF file `out`, and its
+    MTP layers too with `with_mtp`."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype: must be one of {', '.join(DTYPES)}, got {dtype!r}")
     gguf = _gguf()
     checkpoint, out = Path(checkpoint), Path(out)
-    model = load_model(checkpoint, with_mtp=False)
+    if with_mtp and read_config(checkpoint / "config.json")[1].num_nextn_predict_layers == 0:
+        raise ValueError(
+            f"{checkpoint}: has no MTP layers (num_nextn_predict_layers is 0); export it without them"
+        )
+    model = load_model(checkpoint, with_mtp=with_mtp)
     if model.model_type != "deepseek_v3":
         raise ValueError(
             f"{checkpoint}: is {model.model_type}; the GGUF export writes "
@@ -51,10 +71,13 @@ def export_gguf(checkpoint: str | Path, out: str | Path, dtype: str = "f32") -> 
     writer = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.DEEPSEEK2])
     _write_parameters(writer, gguf, cfg, dtype)
     _write_vocab(writer, gguf, checkpoint, cfg)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.DEEPSEEK2, cfg.num_hidden_layers)
+    blocks = cfg.num_hidden_layers + cfg.num_nextn_predict_layers
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.DEEPSEEK2, blocks)
     for name, tensor in model.state_dict().items():
         for hf_name, part in _split(name, tensor, cfg):
-            gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+            gguf_name = _nextn_name(gguf, hf_name, cfg) or names.get_name(
+                hf_name, try_suffixes=(".weight", ".bias")
+            )
             if gguf_name is None:
                 raise ValueError(
                     f"{checkpoint}: tensor {hf_name!r} has no GGUF name in llama.cpp's deepseek2 layout"
@@ -70,6 +93,17 @@ def export_gguf(checkpoint: str | Path, out: str | Path, dtype: str = "f32") -> 
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def _nextn_name(gguf: ModuleType, name: str, cfg: ModelConfig) -> str | None:
+    """`model.layers.{L + i}.enorm.weight` -> `blk.{L + i}.nextn.enorm.weight`; None for any other."""
+    parts = name.split(".")
+    if len(parts) < 4 or parts[:2] != ["model", "layers"] or int(parts[2]) < cfg.num_hidden_layers:
+        return None
+    key = _NEXTN.get(".".join(parts[3:-1]))
+    if key is None:
+        return None
+    return gguf.TENSOR_NAMES[gguf.MODEL_TENSOR[key]].format(bid=parts[2]) + "." + parts[-1]
 
 
 def _split(name: str, tensor: Tensor, cfg: ModelConfig) -> Iterator[tuple[str, Tensor]]:
@@ -104,7 +138,10 @@ def _gguf_type(gguf: ModuleType, dtype: torch.dtype) -> GGMLQuantizationType:
 
 
 def _write_parameters(writer: GGUFWriter, gguf: ModuleType, cfg: ModelConfig, dtype: str) -> None:
-    writer.add_block_count(cfg.num_hidden_layers)
+    blocks = cfg.num_hidden_layers + cfg.num_nextn_predict_layers
+    writer.add_block_count(blocks)  # llama.cpp counts NextN blocks in the block count
+    if cfg.num_nextn_predict_layers:
+        writer.add_nextn_predict_layers(cfg.num_nextn_predict_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_feed_forward_length(cfg.intermediate_size)
@@ -114,9 +151,7 @@ def _write_parameters(writer: GGUFWriter, gguf: ModuleType, cfg: ModelConfig, dt
     writer.add_rope_freq_base(cfg.rope.theta)
     writer.add_rope_dimension_count(cfg.qk_rope_head_dim)
     writer.add_vocab_size(cfg.vocab_size)
-    writer.add_leading_dense_block_count(
-        cfg.first_k_dense_replace if cfg.n_routed_experts else cfg.num_hidden_layers
-    )
+    writer.add_leading_dense_block_count(cfg.first_k_dense_replace if cfg.n_routed_experts else blocks)
     if cfg.q_lora_rank is not None:
         writer.add_q_lora_rank(cfg.q_lora_rank)
     writer.add_kv_lora_rank(cfg.kv_lora_rank)

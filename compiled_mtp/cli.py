@@ -611,7 +611,8 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument(
         "--with-mtp",
         action="store_true",
-        help="also write the MTP layers as llama.cpp's NextN blocks (for its MTP drafting)",
+        help="also write the MTP layers as llama.cpp's NextN blocks, for its MTP drafting "
+        "(default: the target model only)",
     )
     x.set_defaults(func=cmd_export_gguf)
 

@@ -236,13 +236,7 @@ class Runtime:
         """Queue a request (token ids, or text when the checkpoint has a tokenizer); returns its id.
         Raises ValueError (naming the field) on bad input."""
         params = params or SamplingParams()
-        return self._queue(self._check(prompt, params), params)
-
-    def check(self, prompt: Sequence[int] | str, params: SamplingParams) -> list[int]:
-        """Validate a request as `add_request` does, without queueing it; returns the prompt's token ids.
-        Raises ValueError (naming the field). Reads only settings fixed at construction, so a thread
-        other than the one stepping the runtime may call it."""
-        return self._check(prompt, params)
+        return self._queue(self.check(prompt, params), params)
 
     @property
     def num_slots(self) -> int:
@@ -311,9 +305,7 @@ class Runtime:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"params: expected 1 or {len(prompts)} SamplingParams, got {len(params)}")
-        checked = [
-            self._check(p, sp, where=f"prompts[{i}]") for i, (p, sp) in enumerate(zip(prompts, params))
-        ]
+        checked = [self.check(p, sp, where=f"prompts[{i}]") for i, (p, sp) in enumerate(zip(prompts, params))]
         ids = [self._queue(p, sp) for p, sp in zip(checked, params)]
         wanted, done = set(ids), dict[int, RequestOutput]()
         while len(done) < len(ids):
@@ -341,9 +333,10 @@ class Runtime:
             self._stats.host_seconds += time.perf_counter() - start - (self.graphs.seconds - graph_seconds)
         return outputs
 
-    # -- internals ------------------------------------------------------------------------------
-
-    def _check(self, prompt: Sequence[int] | str, params: SamplingParams, where: str = "prompt") -> list[int]:
+    def check(self, prompt: Sequence[int] | str, params: SamplingParams, where: str = "prompt") -> list[int]:
+        """Validate a request as `add_request` does, without queueing it; returns the prompt's token ids.
+        Raises ValueError naming the field (`where` names the prompt). Reads only settings fixed at
+        construction, so a thread other than the one stepping the runtime may call it."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"{where}: must be a list of token ids (this checkpoint has no tokenizer)")
@@ -371,6 +364,8 @@ class Runtime:
         for i, t in enumerate(params.stop_token_ids):
             self._token_id(t, f"stop_token_ids[{i}]")
         return prompt
+
+    # -- internals ------------------------------------------------------------------------------
 
     def _token_id(self, t: object, where: str) -> int:
         """An integer-like token id (int, NumPy or torch integer) in [0, vocab_size)."""

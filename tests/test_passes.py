@@ -370,14 +370,16 @@ DENSE_MLP = torch.ops.compiled_mtp.dense_mlp.default
     [
         ("target_verify", 1, 3, 1),
         ("target_verify", 2, 1, 1),
+        ("target_verify", 4, 3, 1),
+        ("prefill", 1, 0, 1),
         ("draft_extend", 1, 2, 0),
         ("target_verify", 1, 0, 0),
-        ("prefill", 1, 0, 0),
+        ("target_verify", 5, 3, 0),
     ],
 )
-def test_fuse_dense_mlp_takes_each_dense_mlp_on_2_to_4_rows(model, state, kind, b, k, calls):
-    """The tiny target's one dense layer becomes one op when its verify has 2-4 rows; M's layer is
-    MoE, one row or a prefill chunk of 8 stay as traced. The same outputs and state as without it."""
+def test_fuse_dense_mlp_takes_each_dense_mlp_on_2_to_16_rows(model, state, kind, b, k, calls):
+    """The tiny target's one dense layer becomes one op when its verify or prefill chunk has 2-16 rows;
+    M's layer is MoE, one row or 20 stay as traced. The same outputs and state as without it."""
     before, after = _graphs(kind, b, k, model, state, ("fuse_dense_mlp",))
     assert _count(before, DENSE_MLP) == 0 and _count(after, DENSE_MLP) == calls
     assert _count(before, aten.mm.default) - _count(after, aten.mm.default) == 3 * calls

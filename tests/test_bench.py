@@ -114,6 +114,8 @@ def test_llama_cpp_row_when_installed(result):
         if peer["system"] != "llama.cpp":  # drafts of one generation; its echo MTP layer drafts well
             assert 0 < peer["accepted"] <= peer["drafted"]
     assert goals["vs_llama_cpp_k0"]["value"] > 0
+    fastest = max(data["peers"], key=lambda p: p["tokens_per_s"])
+    assert ("vs_llama_cpp_fastest" in goals) == (fastest["system"] != "llama.cpp")
 
 
 @pytest.mark.parametrize(

@@ -49,6 +49,11 @@ class _Request:
     def greedy(self, hidden: Tensor) -> Tensor:
         return self.model.logits(hidden).argmax(-1)
 
+    def draft(self, hidden: Tensor) -> Tensor:
+        """M's greedy draft from its hidden (its own logits: V4's MTP layer has its own hc_head)."""
+        best = self.model.draft_logits(hidden).argmax(-1)
+        return best if self.model.draft_ids is None else self.model.draft_ids[best]
+
     def _ids(self, tokens: list[int]) -> Tensor:
         return torch.tensor([tokens], device=self.device)
 
@@ -73,7 +78,7 @@ def _generate_one(model: CausalLM, prompt: list[int], max_new_tokens: int, k: in
     seq = list(prompt) + [int(req.greedy(h[-1]))]
     if k:
         m = req.mtp(0, seq[1:], h, 0)
-        draft, m_hidden = int(req.greedy(m[-1])), m[-1]
+        draft, m_hidden = int(req.draft(m[-1])), m[-1]
 
     while len(seq) - len(prompt) < max_new_tokens:
         n = len(seq)
@@ -84,7 +89,7 @@ def _generate_one(model: CausalLM, prompt: list[int], max_new_tokens: int, k: in
         drafts = [draft]
         for j in range(1, k):
             m_hidden = req.mtp(j, [drafts[-1]], m_hidden[None], n - 2 + j)[-1]
-            drafts.append(int(req.greedy(m_hidden)))
+            drafts.append(int(req.draft(m_hidden)))
         # 3. target_verify: T over [t_{n-1}, d_1..d_K] at positions n-1..n-1+K; accept the matching prefix.
         h = req.target([seq[-1]] + drafts, n - 1)
         best = req.greedy(h).tolist()
@@ -98,7 +103,7 @@ def _generate_one(model: CausalLM, prompt: list[int], max_new_tokens: int, k: in
         # rewrites M's cache there; rows past `a` carry filler and are overwritten later.
         rows = committed + [committed[-1]] * (k - a)
         m = req.mtp(0, rows, h, n - 1)
-        draft, m_hidden = int(req.greedy(m[a])), m[a]
+        draft, m_hidden = int(req.draft(m[a])), m[a]
 
     out.token_ids = seq[len(prompt) : len(prompt) + max_new_tokens]
     return out

@@ -142,7 +142,7 @@ def example_inputs(key: GraphKey, model: CausalLM, prefill_chunk: int) -> tuple[
     if kind is GraphKind.prefill:  # tokens, next tokens, slot, start, prompt length
         return ids(1, prefill_chunk), ids(1, prefill_chunk), slots, ids(1), ids(1), noise
     if kind is GraphKind.draft_extend:  # accepted counts, committed tokens, T's hiddens
-        hidden = torch.zeros(b, k + 1, model.cfg.hidden_size, dtype=dtype, device=device)
+        hidden = torch.zeros(b, k + 1, model.hidden_width, dtype=dtype, device=device)
         return slots, lens, ids(b), ids(b, k + 1), hidden, noise
     if kind is GraphKind.mtp_catch_up:  # lags, the committed tokens of the window
         return slots, lens, ids(b), ids(b, LAG_WINDOW), noise

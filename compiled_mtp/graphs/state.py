@@ -25,7 +25,7 @@ class StaticState(nn.Module):
     last_token: Tensor  # [slots + 1] the last committed token, not yet through the target
     drafts: Tensor  # [slots + 1, K] d_1..d_K of the coming verify
     draft_probs: Tensor  # [slots + 1, K, V] q_1..q_K the drafts were sampled from
-    mtp_hidden: Tensor  # [slots + 1, H] M's hidden at the last position it ran
+    mtp_hidden: Tensor  # [slots + 1, H] (H: model.hidden_width) M's hidden at the last position it ran
     lag_hidden: Tensor  # [slots + 1, W, H] T's hiddens at depth-0 steps, by position % W (W = 0 without MTP)
     temperature: Tensor  # [slots + 1] per-request sampling parameters, set at admission
     top_k: Tensor
@@ -48,9 +48,11 @@ class StaticState(nn.Module):
             "draft_probs", torch.zeros(n, depth if max_depth else 0, cfg.vocab_size, device=dev)
         )
         dtype = model.lm_head.weight.dtype
-        self.register_buffer("mtp_hidden", torch.zeros(n, cfg.hidden_size, dtype=dtype, device=dev))
+        self.register_buffer("mtp_hidden", torch.zeros(n, model.hidden_width, dtype=dtype, device=dev))
         window = LAG_WINDOW if mtp_layers else 0
-        self.register_buffer("lag_hidden", torch.zeros(n, window, cfg.hidden_size, dtype=dtype, device=dev))
+        self.register_buffer(
+            "lag_hidden", torch.zeros(n, window, model.hidden_width, dtype=dtype, device=dev)
+        )
         self.register_buffer("temperature", torch.zeros(n, device=dev))
         self.register_buffer("top_k", torch.zeros(n, dtype=torch.long, device=dev))
         self.register_buffer("top_p", torch.ones(n, device=dev))

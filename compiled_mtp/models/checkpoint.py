@@ -10,7 +10,6 @@ GLM-4.5 FP8 weights are e4m3 with 128x128 block scales (`*.weight_scale_inv`); t
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -21,12 +20,10 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from .config import CheckpointError
-from .family import STACKED_EXPERT, CausalLM, FamilyConfig
+from .family import CausalLM, FamilyConfig
 from .registry import read_config
 
 INDEX_FILE = "model.safetensors.index.json"
-# Released MTP layers carry copies of the shared embedding and head; the target's are used instead.
-_MTP_SHARED_COPIES = ("shared_head.head.weight", "embed_tokens.weight")
 
 
 @dataclass(frozen=True)
@@ -57,17 +54,25 @@ def load_model(
     with torch.device("meta"):
         model = family.model(cfg)
     expected = _expected_keys(model)
-    _check_keys(path, cfg, sources, expected)
+    _check_keys(path, model, cfg, sources, expected)
     handles = _Handles()
     try:
         for name, param in list(model.state_dict(keep_vars=True).items()):
-            target_dtype = torch.float32 if name.endswith("e_score_correction_bias") else dtype
+            target_dtype = _load_dtype(name, param, dtype)
             tensor = _materialize(name, param, expected[name], sources, handles, cfg, target_dtype, device)
             _assign(model, name, tensor)
     finally:
         handles.close()
     model.rope = model.make_rope().to(device)
     return model.eval()
+
+
+def _load_dtype(name: str, param: Tensor, dtype: torch.dtype) -> torch.dtype:
+    """Weights load in `dtype`; the routers' score biases in float32, integer tables (V4's
+    tid2eid) as they are."""
+    if not param.is_floating_point():
+        return param.dtype
+    return torch.float32 if name.endswith("e_score_correction_bias") else dtype
 
 
 def _index(path: Path) -> dict[str, _Source]:
@@ -132,33 +137,42 @@ def _expected_keys(model: CausalLM) -> dict[str, list[str]]:
 
 
 def _check_keys(
-    path: Path, cfg: FamilyConfig, sources: dict[str, _Source], expected: dict[str, list[str]]
+    path: Path,
+    model: CausalLM,
+    cfg: FamilyConfig,
+    sources: dict[str, _Source],
+    expected: dict[str, list[str]],
 ) -> None:
     wanted = {k for keys in expected.values() for k in keys}
-    first_mtp = cfg.num_hidden_layers
-    if cfg.num_nextn_predict_layers and not any(k.startswith(f"model.layers.{first_mtp}.") for k in sources):
+    mtp_keys = {k: model.mtp_key(k) for k in sources}
+    if cfg.num_nextn_predict_layers and not any(mtp_keys.values()):
         raise CheckpointError(
-            f"{path}: no MTP layer keys (model.layers.{first_mtp}.*), though config.json has num_nextn_predict_layers "
+            f"{path}: no MTP layer keys ({model.mtp_key_prefix(0)}*), though config.json has num_nextn_predict_layers "
             f"{cfg.num_nextn_predict_layers} (HF's save_pretrained writes none): serve it with mtp_depth 0"
         )
     for key in sorted(wanted):
         if key not in sources:
             raise CheckpointError(f"{path}: missing key {key!r}")
     for key, src in sources.items():
-        if key in wanted or _allowed_extra(key, sources, cfg, first_mtp):
+        if key in wanted or _allowed_extra(key, sources, model, cfg, mtp_keys[key]):
             continue
         raise CheckpointError(f"{src.file}: unexpected key {key!r}")
 
 
-def _allowed_extra(key: str, sources: dict[str, _Source], cfg: FamilyConfig, first_mtp: int) -> bool:
+def _allowed_extra(
+    key: str,
+    sources: dict[str, _Source],
+    model: CausalLM,
+    cfg: FamilyConfig,
+    mtp_key: tuple[int, str] | None,
+) -> bool:
     if key.endswith("_scale_inv"):
         return key[: -len("_scale_inv")] in sources
-    m = re.match(r"^model\.layers\.(\d+)\.(.*)$", key)
-    if m and int(m.group(1)) >= first_mtp:
-        layer = int(m.group(1)) - first_mtp
-        # MTP layers beyond the ones served (mtp_depth 0) are skipped, as are their shared copies.
-        return layer >= cfg.num_nextn_predict_layers or m.group(2) in _MTP_SHARED_COPIES
-    return False
+    if mtp_key is None:
+        return False
+    layer, rest = mtp_key
+    # MTP layers beyond the ones served (mtp_depth 0) are skipped, as are their shared copies.
+    return layer >= cfg.num_nextn_predict_layers or rest in model.mtp_shared_copies()
 
 
 def _materialize(
@@ -222,28 +236,28 @@ def _assign(model: CausalLM, name: str, tensor: Tensor) -> None:
 def save_checkpoint(
     model: CausalLM, config: dict, path: str | Path, dtype: torch.dtype | None = None
 ) -> Path:
-    """Write `model` in its family's released layout (per-expert keys, MTP layers after the target's).
+    """Write `model` in its family's released layout (`checkpoint_keys`: per-expert keys, the MTP
+    layers where the family keeps them).
 
     `config` is the HF config.json dict the model was built from. The MTP layers get the shared-head
     and embedding copies that released checkpoints carry."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, Tensor] = {}
-    for name, tensor in model.state_dict().items():
-        m = STACKED_EXPERT.match(name)
-        keep_fp32 = name.endswith("e_score_correction_bias")
-        t = tensor if dtype is None or keep_fp32 else tensor.to(dtype)
-        if m:
-            for e in range(t.shape[0]):
-                tensors[f"{m.group(1)}.{e}.{m.group(2)}.weight"] = t[e].contiguous()
+    state = model.state_dict()
+    for name, tensor in state.items():
+        keys = model.checkpoint_keys(name, tensor)
+        keep = name.endswith("e_score_correction_bias") or not tensor.is_floating_point()
+        t = tensor if dtype is None or keep else tensor.to(dtype)
+        if len(keys) > 1:
+            tensors |= {key: t[e].contiguous() for e, key in enumerate(keys)}
         else:
-            tensors[name] = t.contiguous()
-    first = model.cfg.num_hidden_layers
+            tensors.setdefault(keys[0], t.contiguous())  # a tied head is its embedding, written once
     for i in range(model.cfg.num_nextn_predict_layers):
-        tensors[f"model.layers.{first + i}.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
-        tensors[f"model.layers.{first + i}.embed_tokens.weight"] = tensors[
-            "model.embed_tokens.weight"
-        ].clone()
+        for copy, source in model.mtp_shared_copies().items():
+            tensors[model.mtp_key_prefix(i) + copy] = tensors[
+                model.checkpoint_keys(source, state[source])[0]
+            ].clone()
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return path

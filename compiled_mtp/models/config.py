@@ -47,6 +47,7 @@ class RopeConfig:
     mscale: float = 1.0
     mscale_all_dim: float = 0.0
     truncate: bool = True
+    attention_factor: float | None = None  # YaRN's cos/sin scale when given, else from the mscales
 
 
 @dataclass(frozen=True)

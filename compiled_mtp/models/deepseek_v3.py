@@ -14,6 +14,7 @@ from .config import ModelConfig
 from .family import CausalLM
 from .layers import (
     MLP,
+    Backbone,
     Context,
     Experts,
     Linear,
@@ -101,7 +102,9 @@ class DeepseekV3(CausalLM):
     e_score_correction_bias: Tensor
 
     def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__(cfg, lambda: MLA(cfg), cfg.cache_dim, mtp_moe=cfg.n_routed_experts is not None)
+        super().__init__(
+            cfg, Backbone(cfg, lambda: MLA(cfg), cfg.n_routed_experts is not None), cfg.cache_dim
+        )
 
     def make_rope(self) -> Rope:
         return Rope(self.cfg.rope, self.cfg.qk_rope_head_dim, self.cfg.rope_interleave)

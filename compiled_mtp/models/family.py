@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 from torch import Tensor, nn
 
-from .layers import Backbone, Context, Linear, Rope, RowCache
+from .layers import Context, Linear, Rope, RowCache
 
 # Stacked routed experts (one [E, ...] parameter) come from per-expert checkpoint keys.
 STACKED_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(gate_proj|up_proj|down_proj)$")
@@ -45,10 +45,13 @@ class CausalLM(nn.Module):
 
     model_type: ClassVar[str]
 
-    def __init__(self, cfg: Any, attention: Callable[[], nn.Module], cache_width: int, mtp_moe: bool) -> None:
+    # The family's embedding, layers and final norm: layers.Backbone for DeepSeek-V3 and GLM-4 MoE.
+    model: Any
+
+    def __init__(self, cfg: Any, model: nn.Module, cache_width: int) -> None:
         super().__init__()
         self.cfg = cfg
-        self.model = Backbone(cfg, attention, mtp_moe)
+        self.model = model
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         self.rope = self.make_rope()
         self.cache_layout = RowCache(cache_width)
@@ -70,6 +73,31 @@ class CausalLM(nn.Module):
     @property
     def num_mtp_layers(self) -> int:
         return self.cfg.num_nextn_predict_layers
+
+    @property
+    def hidden_width(self) -> int:
+        """The width of the hiddens forward_target and forward_mtp return and take (StaticState keeps
+        them between steps): hidden_size, unless the family passes more than its final hidden."""
+        return int(self.cfg.hidden_size)
+
+    def mtp_key_prefix(self, layer: int) -> str:
+        """Where MTP layer `layer`'s keys sit in a checkpoint: after the target's layers, as released."""
+        return f"model.layers.{self.cfg.num_hidden_layers + layer}."
+
+    def mtp_shared_copies(self) -> dict[str, str]:
+        """The copies of shared target weights a released MTP layer carries: the key under its
+        prefix -> the parameter copied. Loading skips them (the target's are used)."""
+        return {
+            "shared_head.head.weight": "lm_head.weight",
+            "embed_tokens.weight": "model.embed_tokens.weight",
+        }
+
+    def mtp_key(self, key: str) -> tuple[int, str] | None:
+        """(MTP layer, the rest of the key) of a checkpoint key of an MTP layer, else None."""
+        m = re.match(r"^model\.layers\.(\d+)\.(.*)$", key)
+        if m and int(m.group(1)) >= self.cfg.num_hidden_layers:
+            return int(m.group(1)) - self.cfg.num_hidden_layers, m.group(2)
+        return None
 
     def restrict_drafts(self, token_ids: Tensor) -> None:
         """Draft only among `token_ids` (FR-Spec): the draft steps score those rows of the LM head,

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from .config import CheckpointError, RopeConfig, check_router, eos_ids, fp8_block_size, need, reading
 from .family import CausalLM
-from .layers import Context, Linear, RMSNorm, Rope
+from .layers import Backbone, Context, Linear, RMSNorm, Rope
 
 
 @dataclass(frozen=True)
@@ -198,7 +198,7 @@ class Glm4Moe(CausalLM):
     model_type = "glm4_moe"
 
     def __init__(self, cfg: Glm4MoeConfig) -> None:
-        super().__init__(cfg, lambda: GQA(cfg), cfg.cache_dim, mtp_moe=True)
+        super().__init__(cfg, Backbone(cfg, lambda: GQA(cfg), mtp_moe=True), cfg.cache_dim)
 
     def make_rope(self) -> Rope:
         return Rope(RopeConfig(theta=self.cfg.rope_theta), self.cfg.rotary_dim, interleave=False)

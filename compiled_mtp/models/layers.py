@@ -77,7 +77,9 @@ def _rope_frequencies(rope: RopeConfig, dim: int) -> tuple[Tensor, float]:
     pos_freqs = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
     if rope.type != "yarn":
         return 1.0 / pos_freqs, 1.0
-    if rope.mscale and rope.mscale_all_dim:
+    if rope.attention_factor is not None:
+        factor = rope.attention_factor
+    elif rope.mscale and rope.mscale_all_dim:
         factor = yarn_mscale(rope.factor, rope.mscale) / yarn_mscale(rope.factor, rope.mscale_all_dim)
     else:
         factor = yarn_mscale(rope.factor)

@@ -521,7 +521,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     r = sub.add_parser(
-        "random-checkpoint", help="write a random checkpoint of a preset's shape (DeepSeek-V3 or GLM-4 MoE)"
+        "random-checkpoint",
+        help="write a random checkpoint of a preset's shape (DeepSeek-V3, GLM-4 MoE or DeepSeek-V4)",
     )
     r.add_argument(
         "--preset",

@@ -189,7 +189,8 @@ def test_unknown_model_type_lists_the_supported_ones(glm_path, tmp_path):
     checkpoints.set_config_fields(path, model_type="llama")
     with pytest.raises(
         CheckpointError,
-        match=r"^\S*config\.json: model_type 'llama' is not supported \(supported: deepseek_v3, glm4_moe\)$",
+        match=r"^\S*config\.json: model_type 'llama' is not supported "
+        r"\(supported: deepseek_v3, glm4_moe, deepseek_v4\)$",
     ):
         load_model(path)
 

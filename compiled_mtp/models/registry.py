@@ -9,6 +9,7 @@ from typing import Any
 
 from .config import CheckpointError, ModelConfig
 from .deepseek_v3 import DeepseekV3
+from .deepseek_v4 import DeepseekV4, DeepseekV4Config
 from .family import Family
 from .glm4_moe import Glm4Moe, Glm4MoeConfig
 
@@ -25,6 +26,14 @@ FAMILIES: dict[str, Family] = {
         ),
         Family(
             "GLM-4 MoE", "glm4_moe", ("Glm4MoeForCausalLM",), Glm4MoeConfig, Glm4Moe, "Glm4MoeForCausalLM"
+        ),
+        Family(
+            "DeepSeek-V4",
+            "deepseek_v4",
+            ("DeepseekV4ForCausalLM",),
+            DeepseekV4Config,
+            DeepseekV4,
+            "DeepseekV4ForCausalLM",
         ),
     )
 }

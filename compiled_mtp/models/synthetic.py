@@ -1,4 +1,4 @@
-"""Random checkpoints of the registered families' shapes (DeepSeek-V3, GLM-4 MoE), for demos and
+"""Random checkpoints of the registered families' shapes (DeepSeek-V3, GLM-4 MoE, DeepSeek-V4), for demos and
 benchmarks that need a model of a shape rather than a trained one. Acceptance measured on these
 means nothing: drafts are random."""
 
@@ -35,6 +35,26 @@ _GLM4_MOE = {
     "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5},
     "attention_bias": True,
     "use_qk_norm": False,
+}
+_DEEPSEEK_V4 = {
+    **_COMMON,
+    "architectures": ["DeepseekV4ForCausalLM"],
+    "model_type": "deepseek_v4",
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "compress_rope_theta": 160000.0,
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 1024,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    },
+    "scoring_func": "sqrtsoftplus",
+    "swiglu_limit": 10.0,
+    "hc_mult": 4,
+    "hc_sinkhorn_iters": 20,
+    "hc_eps": 1e-6,
 }
 
 # The tiny presets' sizes and router, whatever the family: a few MB, 8 experts in 2 groups.
@@ -117,6 +137,33 @@ PRESETS: dict[str, dict] = {
     # GLM-4.5's layout at the tiny preset's size: GQA with 4 query heads on 2 KV heads of 32 channels,
     # half of each rotated, q/k/v bias, the first layer dense.
     "glm-tiny": {**_GLM4_MOE, **_TINY, "num_key_value_heads": 2, "head_dim": 32},
+    # DeepSeek-V4's layout at the tiny preset's size: one sliding-window layer with hash routing,
+    # then CSA, HCA and CSA layers (windows of 4 and 16 positions, a 16-position sliding window).
+    "v4-tiny": {
+        **_DEEPSEEK_V4,
+        **{k: _TINY[k] for k in ("vocab_size", "hidden_size", "moe_intermediate_size", "num_hidden_layers")},
+        **{k: _TINY[k] for k in ("num_attention_heads", "n_routed_experts", "num_experts_per_tok")},
+        "routed_scaling_factor": 1.5,
+        "max_position_embeddings": 4096,
+        "num_key_value_heads": 1,  # one KV head, shared by every query head
+        "head_dim": 32,
+        "partial_rotary_factor": 0.25,
+        "q_lora_rank": 48,
+        "o_groups": 2,
+        "o_lora_rank": 32,
+        "layer_types": [
+            "sliding_attention",
+            "compressed_sparse_attention",
+            "heavily_compressed_attention",
+            "compressed_sparse_attention",
+        ],
+        "mlp_layer_types": ["hash_moe", "moe", "moe", "moe"],
+        "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+        "sliding_window": 16,
+        "index_n_heads": 4,
+        "index_head_dim": 16,
+        "index_topk": 4,
+    },
 }
 
 
@@ -144,6 +191,8 @@ def write_random_checkpoint(
             tensor.copy_(1.0 + 0.1 * torch.randn(tensor.shape, generator=gen))
         elif name.endswith("e_score_correction_bias"):
             tensor.copy_(0.01 * torch.randn(tensor.shape, generator=gen))
+        elif not tensor.is_floating_point():  # V4's hash routing: token id -> expert ids
+            tensor.copy_(torch.randint(config["n_routed_experts"], tensor.shape, generator=gen))
         else:
             tensor.copy_(std * torch.randn(tensor.shape, generator=gen))
     return save_checkpoint(model, config, path, dtype=dtype)

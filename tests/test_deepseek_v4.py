@@ -1,0 +1,217 @@
+"""DeepSeek-V4 (`deepseek_v4`) through the family interface, with HF transformers as the oracle: target
+logits over every layer type, hash layers, and windows and compression rates shorter than the prompt;
+the MTP layer against HF's own V4 modules; greedy output of the reference loop and of the Runtime at
+every depth and bucket; rejected and padded rows that never change what a later step reads; the
+`v4-tiny` preset."""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from compiled_mtp import Runtime, SamplingParams
+from compiled_mtp.cli import main
+from compiled_mtp.hf_baseline import load_hf
+from compiled_mtp.models.checkpoint import load_model
+from compiled_mtp.models.config import CheckpointError
+from compiled_mtp.reference import reference_generate
+from tests import checkpoints, corruption
+from tests.oracle import hf_greedy, hf_logits
+from tests.test_engine import assert_padded_rows_write_only_scratch
+from tests.test_models import ATOL, RTOL, engine_logits
+from tests.v4_factory import (
+    HFMtpOracle,
+    random_hf_model,
+    v4_config,
+    v4_config_strategy,
+    write_v4_checkpoint,
+)
+
+PROMPT = 23  # longer than every drawn window (<= 8) and compression rate (<= 8)
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def v4_path(tmp_path_factory) -> object:
+    """`write_v4_checkpoint(v4_config())`: sliding + hash MoE, CSA (top 2 of windows of 4), HCA (8)."""
+    return write_v4_checkpoint(tmp_path_factory.mktemp("v4"), v4_config(), seed=1)
+
+
+def _tokens(vocab: int, n: int, seed: int) -> list[int]:
+    return torch.randint(vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def engine_draft_logits(model, tokens: list[int]) -> torch.Tensor:
+    """Depth-1 MTP logits [T-1, V]: row i takes tokens[i+1] and T's streams at position i."""
+    n = len(tokens)
+    pos, slot = torch.arange(n)[None], torch.tensor([0])
+    hidden = model.forward_target(
+        torch.tensor([tokens]), pos, pos, slot, model.new_cache(model.cfg.num_hidden_layers, 1, n)
+    )
+    cache = model.new_cache(model.num_mtp_layers, 1, n)
+    m = model.forward_mtp(
+        0, torch.tensor([tokens[1:]]), hidden[:, :-1], pos[:, :-1], pos[:, :-1], slot, cache
+    )
+    return model.draft_logits(m)[0]
+
+
+@settings(max_examples=8, deadline=None)
+@given(v4_config_strategy())
+@example(v4_config())
+@torch.no_grad()
+def test_target_logits_match_hf(config):
+    """Whole prompt at once and in chunks of 5 through the cache (compressed entries pooled from the
+    rows of earlier chunks), against HF's forward without a cache."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_v4_checkpoint(tmp, config, seed=3)
+        hf, ours = load_hf(path), load_model(path)
+        tokens = _tokens(config.vocab_size, PROMPT, seed=0)
+        expected = hf_logits(hf, tokens)
+        torch.testing.assert_close(engine_logits(ours, tokens), expected, atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(engine_logits(ours, tokens, chunk=5), expected, atol=ATOL, rtol=RTOL)
+
+
+@settings(max_examples=4, deadline=None)
+@given(v4_config_strategy())
+@example(v4_config())
+@torch.no_grad()
+def test_mtp_logits_match_hf_modules(config):
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_v4_checkpoint(tmp, config, seed=4)
+        hf, ours = load_hf(path), load_model(path)
+        tokens = _tokens(config.vocab_size, PROMPT, seed=1)
+        expected = HFMtpOracle(path, hf).draft_logits(tokens)
+        torch.testing.assert_close(engine_draft_logits(ours, tokens), expected, atol=ATOL, rtol=RTOL)
+
+
+@settings(max_examples=3, deadline=None)
+@given(v4_config_strategy(), st.lists(st.integers(1, 9), min_size=1, max_size=2))
+@example(v4_config(), [5])
+def test_reference_greedy_equals_hf_generate_for_every_depth(config, lengths):
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_v4_checkpoint(tmp, config, seed=5)
+        hf, ours = load_hf(path), load_model(path)
+        prompts = [_tokens(config.vocab_size, n, seed=n) for n in lengths]
+        expected = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+        for k in range(5):
+            assert [o.token_ids for o in reference_generate(ours, prompts, NEW_TOKENS, k)] == expected, (
+                f"K={k}"
+            )
+
+
+@pytest.mark.parametrize("k", range(5))
+def test_runtime_greedy_equals_hf_generate_on_buckets_1_2_4(v4_path, k):
+    """Four requests of different lengths finish at different steps, so the batch moves through
+    buckets 4, 2 and 1; sequences grow to 28 positions, past the window and several compressed
+    entries of every layer."""
+    hf = load_hf(v4_path)
+    prompts, max_new = [_tokens(97, n, seed=k + n) for n in (5, 1, 12, 9)], [3, 7, 12, 16]
+    rt = Runtime.from_pretrained(
+        v4_path,
+        mtp_depth=k,
+        batch_sizes=(1, 2, 4),
+        max_seq_len=64,
+        compile_backend="eager",
+        cache_dir=None,
+        prefill_chunk=8,
+    )
+    outs = rt.generate(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in max_new])
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, n) for p, n in zip(prompts, max_new)]
+    assert {key.split("/")[1] for key in rt.stats()["graph_replays"] if "verify" in key} == {"B1", "B2", "B4"}
+
+
+def test_padded_rows_write_only_the_scratch_slot(v4_path):
+    assert_padded_rows_write_only_scratch(load_model(v4_path))
+
+
+@pytest.fixture(scope="module")
+def v4_sequence(v4_path) -> tuple:
+    """(our model, a 40-token sequence, HF's logits over it without a cache)."""
+    tokens = _tokens(97, 40, seed=7)
+    return load_model(v4_path), tokens, hf_logits(load_hf(v4_path), tokens)
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    st.integers(1, 8),
+    st.lists(st.tuples(st.integers(0, 4), st.integers(0, 4)), min_size=1, max_size=12),
+    st.integers(0, 2**16),
+)
+@torch.no_grad()
+def test_rejected_and_padded_rows_never_change_later_reads(v4_sequence, prompt, schedule, seed):
+    """Verify blocks of K + 1 rows at drawn depths K, of which the first a + 1 carry the sequence and the
+    rest rejected drafts (random tokens); beside each, a padded row writes random tokens to the scratch
+    slot at a random position. Every accepted row's logits equal HF's over the sequence: no rejected or
+    padded row changed what a later step read (sliding window, compressed entries, indexer keys)."""
+    model, tokens, expected = v4_sequence
+    gen = torch.Generator().manual_seed(seed)
+    capacity, slot, scratch = len(tokens) + 5, 1, 2
+    cache = model.new_cache(model.cfg.num_hidden_layers, 3, capacity)
+    pos = torch.arange(prompt)[None]
+    model.forward_target(
+        torch.tensor([tokens[:prompt]]), pos, pos + slot * capacity, torch.tensor([slot]), cache
+    )
+    n = prompt  # committed tokens; the last is not yet through the target
+    for k, accept in schedule:
+        a = min(accept, k, len(tokens) - n - 1)
+        if a < 0:
+            break
+        garbage = torch.randint(model.cfg.vocab_size, (2, k + 1), generator=gen)
+        block = torch.cat([torch.tensor(tokens[n - 1 : n + a]), garbage[0, a + 1 :]])
+        pos = torch.stack(
+            [
+                torch.arange(n - 1, n + k),
+                torch.randint(capacity - k, (1,), generator=gen) + torch.arange(k + 1),
+            ]
+        )
+        write = pos + torch.tensor([[slot], [scratch]]) * capacity
+        ids = torch.stack([block, garbage[1]])
+        logits = model.logits(model.forward_target(ids, pos, write, torch.tensor([slot, scratch]), cache))
+        torch.testing.assert_close(logits[0, : a + 1], expected[n - 1 : n + a], atol=ATOL, rtol=RTOL)
+        n += a + 1
+
+
+def test_v4_tiny_preset_serves_like_hf(tmp_path):
+    """`random-checkpoint --preset v4-tiny` writes a checkpoint HF loads; the Runtime's greedy output
+    at K = 2 equals HF's plain greedy."""
+    path = tmp_path / "v4"
+    main(["random-checkpoint", "--preset", "v4-tiny", "--out", str(path), "--seed", "2"])
+    hf = load_hf(path)
+    prompts = [_tokens(512, n, seed=n) for n in (3, 20)]
+    rt = Runtime.from_pretrained(
+        path, mtp_depth=2, batch_sizes=(1, 2), max_seq_len=64, compile_backend="eager", cache_dir=None
+    )
+    outs = rt.generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 24) for p in prompts]
+
+
+def test_hf_save_pretrained_alone_serves_at_depth_0(tmp_path):
+    """HF writes no MTP layer: the checkpoint serves without MTP, and asking for it is one error."""
+    random_hf_model(v4_config(), seed=2).save_pretrained(tmp_path)
+    with pytest.raises(
+        CheckpointError, match=r"no MTP layer keys \(mtp\.0\.\*\).*serve it with mtp_depth 0$"
+    ):
+        load_model(tmp_path)
+    tokens = _tokens(97, 9, seed=2)
+    torch.testing.assert_close(
+        engine_logits(load_model(tmp_path, with_mtp=False), tokens),
+        hf_logits(load_hf(tmp_path), tokens),
+        atol=ATOL,
+        rtol=RTOL,
+    )
+
+
+def test_unknown_layer_type_is_one_error_naming_the_field(v4_path, tmp_path):
+    path = corruption.copy_checkpoint(v4_path, tmp_path / "bad")
+    checkpoints.set_config_fields(
+        path, layer_types=["sliding_attention", "full_attention", "sliding_attention"]
+    )
+    with pytest.raises(
+        CheckpointError,
+        match=r"^\S*config\.json: layer_types entries must be in \[.*\], got \['full_attention'\]$",
+    ):
+        load_model(path)

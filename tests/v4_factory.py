@@ -1,0 +1,204 @@
+"""Test fixtures for DeepSeek-V4 (`deepseek_v4`): tiny checkpoints written by HF, and an MTP oracle built
+from HF's own V4 modules.
+
+HF's `save_pretrained` writes the target in DeepSeek's key names (`model.layers.i.attn.wq_a.weight`,
+`ffn.experts.{e}.w1.weight`, `head.weight`, ...) and drops the MTP layer, so the MTP layer
+(`mtp.0.*`, as DeepSeek publishes it) is added here: its block's keys are those HF writes for a
+one-layer model with sliding attention and score-routed MoE, plus `e_proj`, `h_proj`, `enorm`, `hnorm`,
+`norm` and `hc_head_{fn,base,scale}`. `hf_mtp_oracle` reads them back into HF modules.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RMSNorm
+
+from tests import checkpoints
+
+SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+_MTP_EXTRA = ("e_proj.weight", "h_proj.weight", "enorm.weight", "hnorm.weight", "norm.weight")
+# The MTP layer's hc_head keys -> the target's, as HF writes them.
+_MTP_HEAD = {f"hc_head_{p}": f"model.hc_head.hc_{p}" for p in ("fn", "base", "scale")}
+_TINY: dict[str, Any] = dict(
+    vocab_size=97,
+    hidden_size=32,
+    moe_intermediate_size=16,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    head_dim=16,
+    q_lora_rank=24,
+    partial_rotary_factor=0.5,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    layer_types=[SLIDING, CSA, HCA],
+    mlp_layer_types=["hash_moe", "moe", "moe"],
+    compress_rates={CSA: 4, HCA: 8},
+    rope_parameters={
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 64,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    },
+    sliding_window=6,
+    o_groups=2,
+    o_lora_rank=8,
+    index_n_heads=8,
+    index_head_dim=16,
+    index_topk=2,
+    swiglu_limit=1.0,
+    max_position_embeddings=256,
+    num_nextn_predict_layers=1,
+    bos_token_id=0,
+    eos_token_id=1,
+)
+
+
+def v4_config(**overrides: Any) -> DeepseekV4Config:
+    """A tiny fp32 DeepSeek-V4 config: 3 layers (sliding + hash MoE, CSA, HCA), window 6, CSA over 4
+    positions with top-2 of its entries, HCA over 8, 4 streams, SwiGLU clamped at 1, one MTP layer."""
+    return DeepseekV4Config(**{**_TINY, **overrides}, dtype=torch.float32, attn_implementation="eager")
+
+
+@st.composite
+def v4_config_strategy(draw: st.DrawFn) -> DeepseekV4Config:
+    """Tiny configs over the layer-type and hash-layer mix, windows and compression rates shorter than
+    the tests' prompts, index top-k, streams and Sinkhorn iterations, rope widths and head groups."""
+    n = draw(st.integers(1, 4))
+    heads = draw(st.sampled_from([2, 4]))
+    experts = draw(st.sampled_from([4, 8]))
+    return v4_config(
+        num_hidden_layers=n,
+        layer_types=draw(st.lists(st.sampled_from([SLIDING, CSA, HCA]), min_size=n, max_size=n)),
+        mlp_layer_types=["hash_moe"] * (k := draw(st.integers(0, n))) + ["moe"] * (n - k),
+        num_attention_heads=heads,
+        head_dim=draw(st.sampled_from([8, 16])),
+        partial_rotary_factor=draw(st.sampled_from([0.25, 0.5])),
+        o_groups=draw(st.sampled_from([1, 2])),
+        n_routed_experts=experts,
+        num_experts_per_tok=draw(st.integers(1, 3)),
+        compress_rates={CSA: draw(st.integers(2, 4)), HCA: draw(st.integers(3, 8))},
+        sliding_window=draw(st.integers(2, 8)),
+        index_topk=draw(st.integers(1, 3)),
+        index_head_dim=draw(st.sampled_from([8, 16])),
+        hc_mult=draw(st.sampled_from([2, 4])),
+        hc_sinkhorn_iters=draw(st.sampled_from([1, 3, 20])),
+        swiglu_limit=draw(st.sampled_from([0.5, 10.0])),
+        scoring_func=draw(st.sampled_from(["sqrtsoftplus", "sigmoid"])),
+        routed_scaling_factor=draw(st.sampled_from([1.0, 1.5])),
+    )
+
+
+def random_hf_model(config: DeepseekV4Config, seed: int) -> DeepseekV4ForCausalLM:
+    """checkpoints' seeded random weights; each token's hash experts distinct, drawn at random."""
+    model = checkpoints._build_model(config, seed, DeepseekV4ForCausalLM)
+    gen = torch.Generator().manual_seed(seed + 7)
+    for name, t in model.state_dict(keep_vars=True).items():
+        if name.endswith("tid2eid"):
+            ranks = torch.rand(config.vocab_size, config.n_routed_experts, generator=gen).argsort(-1)
+            t.data.copy_(ranks[:, : config.num_experts_per_tok])
+    return model
+
+
+def _mtp_block_config(config: DeepseekV4Config) -> DeepseekV4Config:
+    """A one-layer copy of `config` whose layer is the MTP block: sliding attention, score-routed MoE."""
+    block = copy.deepcopy(config)
+    block.num_hidden_layers = 1
+    block.layer_types, block.mlp_layer_types = [SLIDING], ["moe"]
+    return block
+
+
+def write_v4_checkpoint(
+    path: str | Path, config: DeepseekV4Config, *, seed: int = 0, num_mtp_layers: int = 1
+) -> Path:
+    """HF's save_pretrained of a seeded random target, plus `num_mtp_layers` random MTP layers."""
+    path = Path(path)
+    config = copy.deepcopy(config)
+    config.num_nextn_predict_layers = num_mtp_layers
+    random_hf_model(config, seed).save_pretrained(path)
+    mtp: dict[str, Tensor] = {}
+    hidden, hc = config.hidden_size, config.hc_mult
+    for i in range(num_mtp_layers):
+        gen = torch.Generator().manual_seed(seed + 1000 + i)
+        with tempfile.TemporaryDirectory() as tmp:
+            random_hf_model(_mtp_block_config(config), seed + 1000 + i).save_pretrained(tmp)
+            block = load_file(str(Path(tmp) / "model.safetensors"))
+        mtp |= {
+            f"mtp.{i}.{k[len('model.layers.0.') :]}": v
+            for k, v in block.items()
+            if k.startswith("model.layers.0.")
+        }
+        for name in ("e_proj", "h_proj"):
+            mtp[f"mtp.{i}.{name}.weight"] = torch.randn(hidden, hidden, generator=gen) / math.sqrt(hidden)
+        for name in ("enorm", "hnorm", "norm"):
+            mtp[f"mtp.{i}.{name}.weight"] = torch.rand(hidden, generator=gen) + 0.5
+        mtp[f"mtp.{i}.hc_head_fn"] = torch.randn(hc, hc * hidden, generator=gen) / math.sqrt(hc * hidden)
+        mtp[f"mtp.{i}.hc_head_base"] = torch.randn(hc, generator=gen) / math.sqrt(hc)
+        mtp[f"mtp.{i}.hc_head_scale"] = torch.randn(1, generator=gen)
+    checkpoints.rewrite_tensors(path, lambda file, tensors: tensors | mtp)
+    return path
+
+
+class HFMtpOracle:
+    """MTP layer 0 of a checkpoint from HF's own V4 modules: a one-layer DeepseekV4ForCausalLM whose
+    DeepseekV4DecoderLayer (sliding attention, MoE), DeepseekV4HyperHead and final norm hold the
+    MTP block, hc_head and norm, with DeepseekV4RMSNorm enorm / hnorm and e_proj / h_proj beside."""
+
+    def __init__(self, path: str | Path, target: DeepseekV4ForCausalLM) -> None:
+        tensors = load_file(str(Path(path) / "model.safetensors"))
+        mtp = {k[len("mtp.0.") :]: v for k, v in tensors.items() if k.startswith("mtp.0.")}
+        keys = {
+            "model.embed_tokens.weight": tensors["model.embed_tokens.weight"],
+            "head.weight": tensors["head.weight"],
+        }
+        keys["model.norm.weight"] = mtp["norm.weight"]
+        keys |= {hf: mtp[name] for name, hf in _MTP_HEAD.items()}
+        extra = {*_MTP_EXTRA, *_MTP_HEAD}
+        keys |= {f"model.layers.0.{k}": v for k, v in mtp.items() if k not in extra}
+        config = _mtp_block_config(target.config)
+        with tempfile.TemporaryDirectory() as tmp:
+            save_file(keys, str(Path(tmp) / "model.safetensors"), metadata={"format": "pt"})
+            (Path(tmp) / "config.json").write_text(json.dumps(config.to_dict()))
+            self.block = DeepseekV4ForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+        self.target = target
+        self.window = config.sliding_window
+        self.norms = {}
+        for name in ("enorm", "hnorm"):
+            self.norms[name] = DeepseekV4RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.norms[name].weight.data.copy_(mtp[f"{name}.weight"])
+        self.e_proj, self.h_proj = mtp["e_proj.weight"], mtp["h_proj.weight"]
+
+    @torch.no_grad()
+    def draft_logits(self, tokens: list[int]) -> Tensor:
+        """Depth-1 MTP logits [T-1, V]: row i takes tokens[i+1] and T's pre-hc_head streams at i."""
+        ids = torch.tensor([tokens])
+        captured: list[Tensor] = []
+        hook = self.target.model.hc_head.register_forward_hook(lambda m, args, out: captured.append(args[0]))
+        self.target(ids, use_cache=False)
+        hook.remove()
+        streams, nxt = captured[0][:, :-1], ids[:, 1:]
+        model = self.block.model
+        e = torch.nn.functional.linear(self.norms["enorm"](model.embed_tokens(nxt)), self.e_proj)
+        x = e[:, :, None] + torch.nn.functional.linear(self.norms["hnorm"](streams), self.h_proj)
+        n = x.shape[1]
+        pos = torch.arange(n)[None]
+        q, k = pos[0, :, None], pos[0, None, :]
+        mask = torch.zeros(1, 1, n, n).masked_fill(~((k <= q) & (k > q - self.window)), float("-inf"))
+        embeds = {
+            kind: model.rotary_emb(x, position_ids=pos, layer_type=kind) for kind in ("main", "compress")
+        }
+        out = model.layers[0](
+            x, input_ids=nxt, position_embeddings=embeds, position_ids=pos, attention_mask=mask
+        )
+        return self.block.lm_head(model.norm(model.hc_head(out)))[0]

@@ -6,7 +6,9 @@ every depth and bucket; rejected and padded rows that never change what a later 
 
 from __future__ import annotations
 
+import json
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from compiled_mtp.cli import main
 from compiled_mtp.hf_baseline import load_hf
 from compiled_mtp.models.checkpoint import load_model
 from compiled_mtp.models.config import CheckpointError
+from compiled_mtp.models.deepseek_v4 import DeepseekV4Config
 from compiled_mtp.reference import reference_generate
 from tests import checkpoints, corruption
 from tests.oracle import hf_greedy, hf_logits
@@ -36,7 +39,7 @@ NEW_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def v4_path(tmp_path_factory) -> object:
+def v4_path(tmp_path_factory) -> Path:
     """`write_v4_checkpoint(v4_config())`: sliding + hash MoE, CSA (top 2 of windows of 4), HCA (8)."""
     return write_v4_checkpoint(tmp_path_factory.mktemp("v4"), v4_config(), seed=1)
 
@@ -215,3 +218,46 @@ def test_unknown_layer_type_is_one_error_naming_the_field(v4_path, tmp_path):
         match=r"^\S*config\.json: layer_types entries must be in \[.*\], got \['full_attention'\]$",
     ):
         load_model(path)
+
+
+def test_every_kind_traces_whole_and_matches_hf(v4_path):
+    """aot_eager traces what Inductor compiles (whole graphs, static shapes): every kind at K = 0
+    and 3, buckets 1 and 2, depth switching so that M catches up; no recompiles; HF's greedy tokens."""
+    hf = load_hf(v4_path)
+    prompts = [_tokens(97, n, seed=9) for n in (4, 7)]
+    max_new = [6, 12]  # the first finishes early: the second runs on in bucket 1
+    rt = Runtime.from_pretrained(
+        v4_path,
+        mtp_depth=0,
+        mtp_depths=(0, 3),
+        batch_sizes=(1, 2),
+        max_seq_len=32,
+        compile_backend="aot_eager",
+        cache_dir=None,
+        prefill_chunk=8,
+    )
+    ids = [
+        rt.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(prompts, max_new)
+    ]
+    got: dict[int, list[int]] = {i: [] for i in ids}
+    schedule = iter((0, 0, 3, 0, 3))
+    while rt.has_unfinished():
+        rt.mtp_depth = next(schedule, 3)
+        for out in rt.step():
+            got[out.request_id] += out.new_token_ids
+    assert [got[i] for i in ids] == [hf_greedy(hf, p, n) for p, n in zip(prompts, max_new)]
+    kinds = {key.kind.name for key in rt.graphs.replays}
+    assert kinds == {"prefill", "draft_decode", "target_verify", "draft_extend", "mtp_catch_up"}
+    assert {key.batch for key in rt.graphs.replays if key.kind.name == "target_verify"} == {1, 2}
+    assert rt.stats()["recompiles"] == 0
+
+
+def test_released_config_fields_give_the_same_schedule(v4_path):
+    """DeepSeek's config.json spells the schedule `compress_ratios` (0 / 4 / 128 per layer) and
+    `num_hash_layers`; they give the layer types HF's `layer_types` / `mlp_layer_types` name."""
+    raw = json.loads((v4_path / "config.json").read_text())
+    ours = DeepseekV4Config.from_dict(raw)
+    released = {k: v for k, v in raw.items() if k not in ("layer_types", "mlp_layer_types")}
+    released |= {"compress_ratios": [0, 4, 128], "num_hash_layers": 1}
+    released["compress_rates"] = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}
+    assert DeepseekV4Config.from_dict(released) == ours

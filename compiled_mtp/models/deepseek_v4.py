@@ -351,10 +351,11 @@ class Compressor(nn.Module):
         half = self.width // 2
         kv = rows[:, : n * m, :half].reshape(b, n, m, half)
         gate = rows[:, : n * m, half:].reshape(b, n, m, half) + self.ape
-        if self.overlap and n:
-            # Window w - 1's first series joins window w's second; window 0 has no predecessor.
-            prev_kv = F.pad(kv[:, :-1, :, :d], (0, 0, 0, 0, 1, 0))
-            prev_gate = F.pad(gate[:, :-1, :, :d], (0, 0, 0, 0, 1, 0), value=float("-inf"))
+        if self.overlap:
+            # Window w - 1's first series joins window w's second; window 0 has no predecessor (a
+            # zero value, gated out). [:, :n] keeps no window when the cache holds none.
+            prev_kv = F.pad(kv[:, :-1, :, :d], (0, 0, 0, 0, 1, 0))[:, :n]
+            prev_gate = F.pad(gate[:, :-1, :, :d], (0, 0, 0, 0, 1, 0), value=float("-inf"))[:, :n]
             kv = torch.cat([prev_kv, kv[..., d:]], dim=2)
             gate = torch.cat([prev_gate, gate[..., d:]], dim=2)
         pooled = (kv * gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)).sum(dim=2)

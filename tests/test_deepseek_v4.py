@@ -23,10 +23,12 @@ from compiled_mtp.models.config import CheckpointError
 from compiled_mtp.models.deepseek_v4 import DeepseekV4Config
 from compiled_mtp.reference import reference_generate
 from tests import checkpoints, corruption
+from tests import test_distribution as distribution
 from tests.oracle import hf_greedy, hf_logits
 from tests.test_engine import assert_padded_rows_write_only_scratch
 from tests.test_models import ATOL, RTOL, engine_logits
 from tests.v4_factory import (
+    SLIDING,
     HFMtpOracle,
     random_hf_model,
     v4_config,
@@ -36,6 +38,7 @@ from tests.v4_factory import (
 
 PROMPT = 23  # longer than every drawn window (<= 8) and compression rate (<= 8)
 NEW_TOKENS = 12
+LM_HEAD_SCALE = 0.5
 
 
 @pytest.fixture(scope="module")
@@ -261,3 +264,34 @@ def test_released_config_fields_give_the_same_schedule(v4_path):
     released |= {"compress_ratios": [0, 4, 128], "num_hash_layers": 1}
     released["compress_rates"] = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}
     assert DeepseekV4Config.from_dict(released) == ours
+
+
+@pytest.fixture(scope="module")
+def v4_markov(tmp_path_factory):
+    """A one-layer V4 model (test_distribution._chain reads one layer) whose target and MTP layer are
+    Markov chains over 12 tokens: every attention's wo_b is zero, so the streams depend only on the
+    current token, and the MTP layer's h_proj drops the target's streams. Its drafts follow a chain
+    of their own, so rejections and residuals run."""
+    config = v4_config(
+        vocab_size=distribution.VOCAB,
+        num_hidden_layers=1,
+        layer_types=[SLIDING],
+        mlp_layer_types=["hash_moe"],
+    )
+    model = load_model(write_v4_checkpoint(tmp_path_factory.mktemp("v4_markov"), config, seed=8))
+    with torch.no_grad():
+        for block in [*model.model.layers, *model.mtp]:
+            block.attn.wo_b.weight.zero_()
+        model.mtp[0].h_proj.weight.zero_()
+        model.lm_head.weight *= LM_HEAD_SCALE
+    return model
+
+
+@pytest.mark.parametrize("k", [0, 1, 2, 3])
+def test_sampled_tokens_follow_the_target_chain(v4_markov, k):
+    """test_distribution.py's chi-square and convergence checks (false-failure rate 1e-6 per depth)."""
+    target = distribution._chain(v4_markov, target=True)
+    draft = distribution._chain(v4_markov, target=False)
+    pairs, depths = distribution._transitions(v4_markov, k, seed=402 + k)
+    assert list(depths) == [k]
+    distribution._assert_follows(pairs, target, draft, f"V4 K={k}")

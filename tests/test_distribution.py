@@ -53,9 +53,13 @@ def _chain(model, target: bool) -> torch.Tensor:
     slots = torch.zeros(VOCAB, dtype=torch.long)
     cache = model.new_cache(1, 1, 1)
     h = model.forward_target(tokens, zeros, zeros, slots, cache)
-    if not target:  # an MTP row reading token x drafts x's successor (this M ignores the hidden)
-        h = model.forward_mtp(0, tokens, h, zeros, zeros, slots, model.new_cache(1, 1, 1))
-    return (model.logits(h)[:, 0] / TEMPERATURE).softmax(-1).double()
+    if target:
+        logits = model.logits(h)
+    else:  # an MTP row reading token x drafts x's successor (this M ignores the hidden)
+        logits = model.draft_logits(
+            model.forward_mtp(0, tokens, h, zeros, zeros, slots, model.new_cache(1, 1, 1))
+        )
+    return (logits[:, 0] / TEMPERATURE).softmax(-1).double()
 
 
 def _transitions(model, k: int | str, seed: int) -> tuple[torch.Tensor, dict[int, int]]:

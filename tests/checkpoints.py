@@ -29,6 +29,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Decod
 
 from compiled_mtp.models.checkpoint import load_model, save_checkpoint
 from compiled_mtp.models.deepseek_v3 import DeepseekV3
+from compiled_mtp.models.family import CausalLM
 
 FP8_BLOCK = 128
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -442,24 +443,23 @@ def _copy_target_into_mtp_(model: DeepseekV3, gen: torch.Generator) -> None:
 
 
 def _fresh_block(
-    model: DeepseekV3, batch: int, length: int, layers: int
+    model: CausalLM, batch: int, length: int, layers: int
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """positions, write indices, slots and a zero cache for a [batch, length] block at positions 0.."""
     slots = torch.arange(batch)
     positions = torch.arange(length)[None].expand(batch, length)
-    cache = torch.zeros(layers, batch, length, model.cfg.cache_dim)
-    return positions, slots[:, None] * length + positions, slots, cache
+    return positions, slots[:, None] * length + positions, slots, model.new_cache(layers, batch, length)
 
 
 def distill_mtp(
-    model: DeepseekV3, steps: int, seed: int, batch: int = 8, length: int = 16, lr: float = 3e-3
+    model: CausalLM, steps: int, seed: int, batch: int = 8, length: int = 16, lr: float = 3e-3
 ) -> None:
     """Train the MTP layers (target frozen) on seeded random token blocks. MTP layer j row i reads
     token t_{i+1+j} and layer j-1's hidden at row i (the target's h_i for j = 0), as the engine's
     depth j + 1 does, and learns the target's distribution of t_{i+2+j}."""
     gen = torch.Generator().manual_seed(seed + 13)
     first, layers = model.cfg.num_hidden_layers, model.num_mtp_layers
-    params = [p for j in range(layers) for p in model.model.layers[first + j].parameters()]
+    params = [p for j in range(layers) for p in model.mtp_layer(j).parameters()]
     for p in params:
         p.requires_grad_(True)
     opt = torch.optim.Adam(params, lr=lr)
@@ -474,7 +474,7 @@ def distill_mtp(
             hidden = model.forward_mtp(
                 j, x[:, 1 + j :], hidden[:, :rows], *_fresh_block(model, batch, rows, layers)
             )
-            draft = F.log_softmax(model.logits(hidden), dim=-1)
+            draft = F.log_softmax(model.draft_logits(hidden), dim=-1)
             loss = loss + F.kl_div(
                 draft.flatten(0, 1), target[:, 1 + j :].flatten(0, 1), log_target=True, reduction="batchmean"
             )

@@ -722,7 +722,13 @@ class DeepseekV4(CausalLM):
     ) -> Tensor:
         """M over a [B, T] block on T's (or its own) flattened streams; returns its streams, flattened."""
         ctx = self._context(tokens, positions, write_index, slots, cache)
-        return self.mtp[layer](self.model.embed_tokens(tokens), self._streams(hidden), ctx, layer).flatten(2)
+        mtp = self.mtp_layer(layer)
+        return mtp(self.model.embed_tokens(tokens), self._streams(hidden), ctx, layer).flatten(2)
+
+    def mtp_layer(self, layer: int) -> MTPBlock:
+        mtp = self.mtp[layer]
+        assert isinstance(mtp, MTPBlock)
+        return mtp
 
     def _streams(self, hidden: Tensor) -> Tensor:
         return hidden.unflatten(-1, (self.cfg.hc_mult, self.cfg.hidden_size))
@@ -731,6 +737,4 @@ class DeepseekV4(CausalLM):
         return super().logits(self.model.norm(self.model.hc_head(self._streams(hidden))))
 
     def draft_logits(self, hidden: Tensor) -> Tensor:
-        mtp = self.mtp[0]
-        assert isinstance(mtp, MTPBlock)
-        return super().draft_logits(mtp.collapse(self._streams(hidden)))
+        return super().draft_logits(self.mtp_layer(0).collapse(self._streams(hidden)))

@@ -150,8 +150,11 @@ class CausalLM(nn.Module):
         """MTP layer `layer` over a [B, T] block: row (b, t) takes the token at positions+1 and the hidden
         from positions. Returns its post-shared_head.norm hiddens; `cache` is the MTP cache."""
         ctx = self.context(positions, write_index, slots, cache)
-        mtp = self.model.layers[self.cfg.num_hidden_layers + layer]
-        return mtp(self.model.embed_tokens(tokens), hidden, ctx, layer)
+        return self.mtp_layer(layer)(self.model.embed_tokens(tokens), hidden, ctx, layer)
+
+    def mtp_layer(self, layer: int) -> nn.Module:
+        """MTP layer `layer`'s module: for DeepSeek-V3 and GLM-4 MoE model.layers[num_hidden_layers + layer]."""
+        return self.model.layers[self.cfg.num_hidden_layers + layer]
 
 
 @dataclass(frozen=True)

@@ -466,6 +466,7 @@ class Gate(nn.Module):
     def __init__(self, cfg: DeepseekV4Config, hashed: bool) -> None:
         super().__init__()
         self.cfg = cfg
+        self.hashed = hashed
         self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size), requires_grad=False)
         if hashed:
             self.register_buffer(
@@ -478,7 +479,7 @@ class Gate(nn.Module):
         """x [N, H], tokens [N] -> (expert indices [N, k], weights [N, k] float32)."""
         cfg = self.cfg
         scores = _SCORE_FUNCTIONS[cfg.scoring_func](F.linear(x.float(), self.weight.float()))
-        if hasattr(self, "tid2eid"):
+        if self.hashed:
             idx = self.tid2eid[tokens]
         else:
             idx = (scores + self.bias).topk(cfg.num_experts_per_tok, dim=-1, sorted=False).indices
@@ -487,6 +488,7 @@ class Gate(nn.Module):
 
 
 def clamped_swiglu(gate: Tensor, up: Tensor, limit: float) -> Tensor:
+    """SwiGLU with the gate clamped above and the up projection on both sides at `limit`."""
     return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
 
 
@@ -504,7 +506,8 @@ class SharedExpert(nn.Module):
 
 class Experts(nn.Module):
     """Routed experts stacked per layer: w1 (gate) and w3 (up) [E, I, H], w2 (down) [E, H, I]. Each
-    row gathers its k experts' weights (fixed shapes; see layers.Experts for the cost)."""
+    row gathers its k experts' weights, in fixed shapes (layers.Experts measures the cost; unlike it,
+    there is no masked path for batches of hundreds of rows)."""
 
     def __init__(self, cfg: DeepseekV4Config) -> None:
         super().__init__()

@@ -26,7 +26,7 @@ from tests import checkpoints, corruption
 from tests import test_distribution as distribution
 from tests.oracle import hf_greedy, hf_logits
 from tests.test_acceptance import MAX_NEW, assert_acceptance_parity
-from tests.test_engine import assert_padded_rows_write_only_scratch
+from tests.test_engine import JOIN_LEAVE, assert_join_leave_parity, assert_padded_rows_write_only_scratch
 from tests.test_models import ATOL, RTOL, engine_logits
 from tests.v4_factory import (
     SLIDING,
@@ -331,3 +331,11 @@ def test_distilled_mtp_layer_is_accepted_at_k1(v4_distilled_path):
     hf = load_hf(v4_distilled_path)
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 24) for p in prompts]
     assert rt.stats()["acceptance_rate_per_position"][0] >= 0.6
+
+
+@settings(max_examples=6, deadline=None)
+@given(k=st.integers(0, 3), schedule=JOIN_LEAVE)
+def test_greedy_parity_under_join_and_leave(v4_distilled_path, k, schedule):
+    """Requests join and leave between steps while drafts are accepted and rejected: every request
+    gets the reference loop's greedy tokens."""
+    assert_join_leave_parity(load_model(v4_distilled_path), k, schedule)

@@ -339,3 +339,14 @@ def test_greedy_parity_under_join_and_leave(v4_distilled_path, k, schedule):
     """Requests join and leave between steps while drafts are accepted and rejected: every request
     gets the reference loop's greedy tokens."""
     assert_join_leave_parity(load_model(v4_distilled_path), k, schedule)
+
+
+def test_restricted_draft_vocabulary_keeps_parity(v4_distilled_path):
+    """draft_vocab: the MTP layer's hc_head and norm, then the head's rows of the draft tokens; tokens
+    and accepted counts equal the reference loop's on the same restricted model."""
+    model = load_model(v4_distilled_path)
+    model.restrict_drafts(torch.arange(0, 97, 2))
+    rt = Runtime(
+        model, mtp_depth=2, batch_sizes=(1, 2, 4), max_seq_len=64, compile_backend="eager", prefill_chunk=8
+    )
+    assert_acceptance_parity(rt, model, 2, [_tokens(97, n, seed=n) for n in (5, 1, 12, 9)], MAX_NEW)

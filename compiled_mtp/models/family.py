@@ -2,10 +2,10 @@
 
 The graphs (graphs/steps.py), StaticState, the reference loop, Runtime and the CLI see a model only
 through `CausalLM`: `forward_target` and `forward_mtp` over explicit positions, write indices and
-slots, `logits` / `draft_logits`, `new_cache` (the family's `RowCache` layout) and `num_mtp_layers`.
-A family module (deepseek_v3.py, glm4_moe.py) subclasses it with its attention and config, and
-registers a `Family` in registry.py: its config class, its model class and its checkpoint's key
-names. Nothing outside `models/` names a family.
+slots, `logits` / `draft_logits`, `new_cache` (the family's `RowCache` layout), `num_mtp_layers` and
+`hidden_width`. A family module (deepseek_v3.py, glm4_moe.py, deepseek_v4.py) subclasses it with its
+backbone (attention, blocks) and config, and registers a `Family` in registry.py: its config class,
+its model class and its checkpoint's key names. Nothing outside `models/` names a family.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from transformers import DeepseekV3ForCausalLM
 from transformers.cache_utils import MtpCache
 from transformers.modeling_layers import MtpModel
 
+from compiled_mtp import Runtime, SamplingParams
 from compiled_mtp.hf_baseline import hf_generate
 
 
@@ -46,3 +47,34 @@ def hf_mtp_draft_logits(model: DeepseekV3ForCausalLM, tokens: list[int]) -> Tens
         input_ids=ids[:, 1:],
     )
     return mtp._project_to_logits(out)[0]
+
+
+def assert_depth_switching_matches_hf(path: str, hf: torch.nn.Module, prompts: list[list[int]]) -> None:
+    """aot_eager traces what Inductor compiles (whole graphs, static shapes): every kind at K = 0 and
+    3, buckets 1 and 2 (the first prompt finishes early, the second runs on in bucket 1), the depth
+    switching so that M catches up. HF's greedy tokens, every graph kind replayed, no recompiles."""
+    max_new = [6, 12]
+    rt = Runtime.from_pretrained(
+        path,
+        mtp_depth=0,
+        mtp_depths=(0, 3),
+        batch_sizes=(1, 2),
+        max_seq_len=32,
+        compile_backend="aot_eager",
+        cache_dir=None,
+        prefill_chunk=8,
+    )
+    ids = [
+        rt.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(prompts, max_new)
+    ]
+    got: dict[int, list[int]] = {i: [] for i in ids}
+    schedule = iter((0, 0, 3, 0, 3))
+    while rt.has_unfinished():
+        rt.mtp_depth = next(schedule, 3)
+        for out in rt.step():
+            got[out.request_id] += out.new_token_ids
+    assert [got[i] for i in ids] == [hf_greedy(hf, p, n) for p, n in zip(prompts, max_new)]
+    kinds = {key.kind.name for key in rt.graphs.replays}
+    assert kinds == {"prefill", "draft_decode", "target_verify", "draft_extend", "mtp_catch_up"}
+    assert {key.batch for key in rt.graphs.replays if key.kind.name == "target_verify"} == {1, 2}
+    assert rt.stats()["recompiles"] == 0

@@ -24,7 +24,7 @@ from compiled_mtp.models.deepseek_v4 import DeepseekV4Config
 from compiled_mtp.reference import reference_generate
 from tests import checkpoints, corruption
 from tests import test_distribution as distribution
-from tests.oracle import hf_greedy, hf_logits
+from tests.oracle import assert_depth_switching_matches_hf, hf_greedy, hf_logits
 from tests.test_acceptance import MAX_NEW, assert_acceptance_parity
 from tests.test_engine import JOIN_LEAVE, assert_join_leave_parity, assert_padded_rows_write_only_scratch
 from tests.test_models import ATOL, RTOL, engine_logits
@@ -226,35 +226,8 @@ def test_unknown_layer_type_is_one_error_naming_the_field(v4_path, tmp_path):
 
 
 def test_every_kind_traces_whole_and_matches_hf(v4_path):
-    """aot_eager traces what Inductor compiles (whole graphs, static shapes): every kind at K = 0
-    and 3, buckets 1 and 2, depth switching so that M catches up; no recompiles; HF's greedy tokens."""
-    hf = load_hf(v4_path)
-    prompts = [_tokens(97, n, seed=9) for n in (4, 7)]
-    max_new = [6, 12]  # the first finishes early: the second runs on in bucket 1
-    rt = Runtime.from_pretrained(
-        v4_path,
-        mtp_depth=0,
-        mtp_depths=(0, 3),
-        batch_sizes=(1, 2),
-        max_seq_len=32,
-        compile_backend="aot_eager",
-        cache_dir=None,
-        prefill_chunk=8,
-    )
-    ids = [
-        rt.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(prompts, max_new)
-    ]
-    got: dict[int, list[int]] = {i: [] for i in ids}
-    schedule = iter((0, 0, 3, 0, 3))
-    while rt.has_unfinished():
-        rt.mtp_depth = next(schedule, 3)
-        for out in rt.step():
-            got[out.request_id] += out.new_token_ids
-    assert [got[i] for i in ids] == [hf_greedy(hf, p, n) for p, n in zip(prompts, max_new)]
-    kinds = {key.kind.name for key in rt.graphs.replays}
-    assert kinds == {"prefill", "draft_decode", "target_verify", "draft_extend", "mtp_catch_up"}
-    assert {key.batch for key in rt.graphs.replays if key.kind.name == "target_verify"} == {1, 2}
-    assert rt.stats()["recompiles"] == 0
+    """Every graph kind, buckets 1 and 2, the depth switching: HF's greedy tokens (oracle.py)."""
+    assert_depth_switching_matches_hf(v4_path, load_hf(v4_path), [_tokens(97, n, seed=9) for n in (4, 7)])
 
 
 def test_released_config_fields_give_the_same_schedule(v4_path):

@@ -32,7 +32,7 @@ from tests.glm_factory import (
     write_glm_checkpoint,
     write_glm_distilled_checkpoint,
 )
-from tests.oracle import hf_greedy, hf_logits, hf_mtp_draft_logits
+from tests.oracle import assert_depth_switching_matches_hf, hf_greedy, hf_logits, hf_mtp_draft_logits
 from tests.test_engine import assert_padded_rows_write_only_scratch
 from tests.test_models import ATOL, RTOL, engine_logits, engine_mtp_logits
 
@@ -287,41 +287,8 @@ def test_random_glm_checkpoint_then_bench_against_hf(tmp_path, capsys):
 
 
 def test_every_kind_traces_whole_and_matches_hf(glm_path):
-    """aot_eager traces what Inductor compiles (whole graphs, static shapes): every kind at K = 0
-    and 3, buckets 1 and 2, depth switching so that M catches up; no recompiles; HF's greedy tokens."""
-    hf = load_hf(glm_path)
-    prompts = _prompts(97, [4, 7], seed=9)
-    max_new = [6, 12]  # the first finishes early: the second runs on in bucket 1
-    expected = [hf_greedy(hf, p, n) for p, n in zip(prompts, max_new)]
-    rt = Runtime.from_pretrained(
-        glm_path,
-        mtp_depth=0,
-        mtp_depths=(0, 3),
-        batch_sizes=(1, 2),
-        max_seq_len=32,
-        compile_backend="aot_eager",
-        cache_dir=None,
-        prefill_chunk=8,
-    )
-    ids = [
-        rt.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(prompts, max_new)
-    ]
-    got: dict[int, list[int]] = {i: [] for i in ids}
-    schedule = iter((0, 0, 3, 0, 3))
-    while rt.has_unfinished():
-        rt.mtp_depth = next(schedule, 3)
-        for out in rt.step():
-            got[out.request_id] += out.new_token_ids
-    assert [got[i] for i in ids] == expected
-    assert {key.kind.name for key in rt.graphs.replays} == {
-        "prefill",
-        "draft_decode",
-        "target_verify",
-        "draft_extend",
-        "mtp_catch_up",
-    }
-    assert {key.batch for key in rt.graphs.replays if key.kind.name == "target_verify"} == {1, 2}
-    assert rt.stats()["recompiles"] == 0
+    """Every graph kind, buckets 1 and 2, the depth switching: HF's greedy tokens (oracle.py)."""
+    assert_depth_switching_matches_hf(glm_path, load_hf(glm_path), _prompts(97, [4, 7], seed=9))
 
 
 # A config.json shaped like GLM-4.5's release: rope fields at the top level (transformers 4 style), 92

@@ -34,6 +34,11 @@ def need(ok: bool, source: str, what: str) -> None:
         raise CheckpointError(f"{source}: {what}")
 
 
+def need_sizes(cfg: Any, source: str) -> None:
+    """Every family's first config check: a vocabulary and a hidden size."""
+    need(cfg.vocab_size > 0 and cfg.hidden_size > 0, source, "vocab_size and hidden_size must be positive")
+
+
 @dataclass(frozen=True)
 class RopeConfig:
     """Rotary embedding parameters; `factor` > 1 with type "yarn" enables YaRN scaling."""
@@ -147,11 +152,7 @@ class ModelConfig:
         return cfg
 
     def _check(self, source: str) -> None:
-        need(
-            self.vocab_size > 0 and self.hidden_size > 0,
-            source,
-            "vocab_size and hidden_size must be positive",
-        )
+        need_sizes(self, source)
         need(
             self.qk_rope_head_dim % 2 == 0,
             source,
@@ -215,13 +216,27 @@ def _rope_from_dict(raw: dict[str, Any]) -> RopeConfig:
     # transformers >= 5 writes `rope_parameters`; released DeepSeek configs use `rope_scaling` + `rope_theta`.
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    return rope_config(params, theta, raw, "config.json: rope")
+
+
+def rope_config(
+    params: dict[str, Any],
+    theta: float,
+    raw: dict[str, Any],
+    what: str,
+    attention_factor: float | None = None,
+) -> RopeConfig:
+    """A RopeConfig from HF rope parameters (`rope_type` default or yarn) at `theta`; `raw` is the
+    whole config (its max_position_embeddings), `what` names the field in errors. A yarn
+    `attention_factor` given in `params` wins over the argument."""
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in ("default", "yarn"):
-        raise CheckpointError(f"config.json: rope type {kind!r} is not supported (supported: default, yarn)")
+        raise CheckpointError(f"{what} type {kind!r} is not supported (supported: default, yarn)")
     if kind == "default":
         return RopeConfig(theta=theta)
     factor = params.get("factor")
     original = int(params["original_max_position_embeddings"])
+    given = params.get("attention_factor", attention_factor)
     return RopeConfig(
         theta=theta,
         type="yarn",
@@ -232,4 +247,5 @@ def _rope_from_dict(raw: dict[str, Any]) -> RopeConfig:
         mscale=float(params.get("mscale") or 0),
         mscale_all_dim=float(params.get("mscale_all_dim") or 0),
         truncate=bool(params.get("truncate", True)),
+        attention_factor=None if given is None else float(given),
     )

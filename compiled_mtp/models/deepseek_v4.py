@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .config import CheckpointError, RopeConfig, eos_ids, need, reading
+from .config import CheckpointError, RopeConfig, eos_ids, need, need_sizes, reading, rope_config
 from .family import CausalLM
 from .layers import Context, Linear, RMSNorm, Rope, RowCache
 
@@ -153,11 +153,7 @@ class DeepseekV4Config:
         return cfg
 
     def _check(self, source: str) -> None:
-        need(
-            self.vocab_size > 0 and self.hidden_size > 0,
-            source,
-            "vocab_size and hidden_size must be positive",
-        )
+        need_sizes(self, source)
         for name, types, allowed in (
             ("layer_types", self.layer_types, (SLIDING, CSA, HCA)),
             ("mlp_layer_types", self.mlp_layer_types, ("hash_moe", "moe")),
@@ -233,27 +229,7 @@ def _compress_rope(raw: dict[str, Any], source: str) -> RopeConfig:
     if isinstance(params.get("compress"), dict):
         params = dict(params["compress"])
         theta = float(params.get("rope_theta", theta))
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind not in ("default", "yarn"):
-        raise CheckpointError(
-            f"{source}: compress rope type {kind!r} is not supported (supported: default, yarn)"
-        )
-    if kind == "default":
-        return RopeConfig(theta=theta)
-    factor = params.get("factor")
-    original = int(params["original_max_position_embeddings"])
-    return RopeConfig(
-        theta=theta,
-        type="yarn",
-        factor=float(factor) if factor is not None else raw["max_position_embeddings"] / original,
-        original_max_position_embeddings=original,
-        beta_fast=float(params.get("beta_fast") or 32),
-        beta_slow=float(params.get("beta_slow") or 1),
-        mscale=float(params.get("mscale") or 0),
-        mscale_all_dim=float(params.get("mscale_all_dim") or 0),
-        truncate=bool(params.get("truncate", True)),
-        attention_factor=float(params.get("attention_factor", 1.0)),
-    )
+    return rope_config(params, theta, raw, f"{source}: compress rope", attention_factor=1.0)
 
 
 def _main_rope_theta(raw: dict[str, Any]) -> float:

@@ -20,7 +20,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .config import CheckpointError, RopeConfig, check_router, eos_ids, fp8_block_size, need, reading
+from .config import (
+    CheckpointError,
+    RopeConfig,
+    check_router,
+    eos_ids,
+    fp8_block_size,
+    need,
+    need_sizes,
+    reading,
+)
 from .family import CausalLM
 from .layers import Backbone, Context, Linear, RMSNorm, Rope
 
@@ -120,11 +129,7 @@ class Glm4MoeConfig:
         return cfg
 
     def _check(self, source: str) -> None:
-        need(
-            self.vocab_size > 0 and self.hidden_size > 0,
-            source,
-            "vocab_size and hidden_size must be positive",
-        )
+        need_sizes(self, source)
         need(
             self.num_attention_heads % self.num_key_value_heads == 0,
             source,

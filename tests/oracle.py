@@ -78,3 +78,21 @@ def assert_depth_switching_matches_hf(path: str, hf: torch.nn.Module, prompts: l
     assert kinds == {"prefill", "draft_decode", "target_verify", "draft_extend", "mtp_catch_up"}
     assert {key.batch for key in rt.graphs.replays if key.kind.name == "target_verify"} == {1, 2}
     assert rt.stats()["recompiles"] == 0
+
+
+def assert_buckets_match_hf(path: str, hf: torch.nn.Module, prompts: list[list[int]], k: int) -> None:
+    """Four requests of different lengths (max_new_tokens 3, 7, 12, 16) finish at different steps, so
+    the batch moves through buckets 4, 2 and 1 at depth k (eager): HF's greedy tokens."""
+    max_new = [3, 7, 12, 16]
+    rt = Runtime.from_pretrained(
+        path,
+        mtp_depth=k,
+        batch_sizes=(1, 2, 4),
+        max_seq_len=64,
+        compile_backend="eager",
+        cache_dir=None,
+        prefill_chunk=8,
+    )
+    outs = rt.generate(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in max_new])
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, n) for p, n in zip(prompts, max_new)]
+    assert {key.split("/")[1] for key in rt.stats()["graph_replays"] if "verify" in key} == {"B1", "B2", "B4"}

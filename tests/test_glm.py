@@ -32,7 +32,13 @@ from tests.glm_factory import (
     write_glm_checkpoint,
     write_glm_distilled_checkpoint,
 )
-from tests.oracle import assert_depth_switching_matches_hf, hf_greedy, hf_logits, hf_mtp_draft_logits
+from tests.oracle import (
+    assert_buckets_match_hf,
+    assert_depth_switching_matches_hf,
+    hf_greedy,
+    hf_logits,
+    hf_mtp_draft_logits,
+)
 from tests.test_engine import assert_padded_rows_write_only_scratch
 from tests.test_models import ATOL, RTOL, engine_logits, engine_mtp_logits
 
@@ -102,20 +108,7 @@ def test_reference_greedy_equals_hf_generate_for_every_depth(config, lengths):
 def test_runtime_greedy_equals_hf_generate_on_buckets_1_2_4(glm_path, k):
     """Runtime.from_pretrained on an HF-written GLM checkpoint: four requests of different lengths
     finish at different steps, so the batch moves through buckets 4, 2 and 1."""
-    hf = load_hf(glm_path)
-    prompts, max_new = _prompts(97, [5, 1, 12, 9], seed=k), [3, 7, 12, 16]
-    rt = Runtime.from_pretrained(
-        glm_path,
-        mtp_depth=k,
-        batch_sizes=(1, 2, 4),
-        max_seq_len=64,
-        compile_backend="eager",
-        cache_dir=None,
-        prefill_chunk=8,
-    )
-    outs = rt.generate(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in max_new])
-    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, n) for p, n in zip(prompts, max_new)]
-    assert {key.split("/")[1] for key in rt.stats()["graph_replays"] if "verify" in key} == {"B1", "B2", "B4"}
+    assert_buckets_match_hf(glm_path, load_hf(glm_path), _prompts(97, [5, 1, 12, 9], seed=k), k)
 
 
 def test_k1_accepted_counts_equal_hf_mtp(glm_distilled_path):

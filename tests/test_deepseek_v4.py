@@ -293,6 +293,28 @@ def test_distilled_mtp_layer_is_accepted_at_k1(v4_distilled_path):
     assert rt.stats()["acceptance_rate_per_position"][0] >= 0.6
 
 
+def test_capture_cache_serves_v4_with_every_pass(v4_distilled_path, tmp_path):
+    """Inductor with every pass, built into a capture cache, then loaded by a second runtime without a
+    compile: HF's greedy tokens and the same drafts accepted both times. The compressed entries'
+    rotary tables fold into the code (they follow from the config, which is in the key)."""
+    prompt, params = _tokens(97, 9, seed=3), SamplingParams(max_new_tokens=12, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        rt = Runtime.from_pretrained(
+            v4_distilled_path,
+            mtp_depth=1,
+            batch_sizes=(1,),
+            max_seq_len=32,
+            prefill_chunk=8,
+            cache_dir=tmp_path,
+        )
+        runs.append((rt.generate([prompt], params)[0].token_ids, rt.stats()))
+    (tokens, built), (again, loaded) = runs
+    assert tokens == again == hf_greedy(load_hf(v4_distilled_path), prompt, 12)
+    assert built["compiles"] == 3 and loaded["compiles"] == 0
+    assert loaded["accepted_tokens_per_position"] == built["accepted_tokens_per_position"]
+
+
 @settings(max_examples=6, deadline=None)
 @given(k=st.integers(0, 3), schedule=JOIN_LEAVE)
 def test_greedy_parity_under_join_and_leave(v4_distilled_path, k, schedule):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import io
+import json
 import platform
 import warnings
 import zipfile
@@ -80,7 +81,8 @@ def artifact_key(
 ) -> dict[str, Any]:
     """Everything that changes a graph's code, as JSON. Not in it: the checkpoint's path and weight
     values. `prefill_chunk` enters through the inputs' shapes."""
-    config = asdict(model.cfg)
+    # Through JSON, as the cache stores it: a tuple field (DeepSeek-V4's layer types) reads back a list.
+    config = json.loads(json.dumps(asdict(model.cfg)))
     del config["eos_token_ids"]  # stop rules run on the host
     return {
         "kind": key.kind.name,
@@ -224,13 +226,17 @@ def _archive_root(archive: zipfile.ZipFile) -> str:
 
 
 def _used_constants(ep: torch.export.ExportedProgram) -> set[str]:
-    """Names of the parameters and buffers the exported graph reads or writes."""
+    """Names of the parameters and persistent buffers the exported graph reads or writes. A
+    non-persistent buffer (the rotary tables) is computed from the config, which is part of the
+    graph's key, so code that folded it in (DeepSeek-V4's compressed entries sit at fixed positions)
+    stays right."""
     sig = ep.graph_signature
     names = {**sig.inputs_to_parameters, **sig.inputs_to_buffers}
+    computed = set(sig.non_persistent_buffers)
     return {
         names[node.name]
         for node in ep.graph.find_nodes(op="placeholder")
-        if node.name in names and node.users
+        if node.name in names and node.users and names[node.name] not in computed
     }
 
 

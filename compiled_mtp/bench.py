@@ -59,7 +59,7 @@ from .models.checkpoint import load_model
 from .models.draft_vocab import read_ranking
 from .models.family import CausalLM
 from .models.gguf_export import export_gguf
-from .models.layers import Experts
+from .models.registry import read_config
 from .passes.manager import add_pass_switch, without
 from .runtime import DTYPES, Runtime, SamplingParams, acceptance_length, check_device
 from .tokenizer import Tokenizer
@@ -433,7 +433,8 @@ def _best_of(runs: int, device: str, fn: Callable[[], object]) -> float:
 
 
 def bench_hf(path: Path, prompts: list[list[int]], args: argparse.Namespace) -> tuple[list[HFRun], str]:
-    """HF `generate` at every B and `generate(use_mtp=True)` at B = 1, in HF's default attention.
+    """HF `generate` at every B and, where HF runs the family's MTP layers, `generate(use_mtp=True)` at
+    B = 1, in HF's default attention.
     Returns the runs and the attention implementation used."""
     model = hf_baseline.load_hf(path, dtype=DTYPES[args.dtype], device=args.device, attn_implementation=None)
     n = args.new_tokens
@@ -443,7 +444,10 @@ def bench_hf(path: Path, prompts: list[list[int]], args: argparse.Namespace) -> 
         rows.append(HFRun("generate", 0, b, b * n / seconds, seconds))
         print(f"  HF generate B={b}: {rows[-1].tokens_per_s:.1f} tok/s", flush=True)
     k = model.config.num_nextn_predict_layers
-    if k and max(args.depths) > 0:
+    family, _ = read_config(path / "config.json")
+    if k and max(args.depths) > 0 and not family.hf_mtp:
+        print(f"  no HF generate(use_mtp=True) row: HF transformers does not run {family.name}'s MTP layer")
+    elif k and max(args.depths) > 0:
         outputs = []
         seconds = _best_of(
             args.runs, args.device, lambda: outputs.append(hf_baseline.hf_mtp_generate(model, prompts[0], n))
@@ -470,13 +474,15 @@ def bench_hf(path: Path, prompts: list[list[int]], args: argparse.Namespace) -> 
 
 def _layer_bytes(layer: torch.nn.Module, num_experts_per_tok: int) -> int:
     """Weight bytes one token reads from a decoder layer: all of them except the routed experts, of
-    which it reads only the `num_experts_per_tok` it is routed to."""
+    which it reads only the `num_experts_per_tok` it is routed to. Every family stacks a layer's
+    routed experts in one module whose parameters are all [E, ...]."""
     total = 0
     for module in layer.modules():
-        own = sum(p.nbytes for p in module.parameters(recurse=False))
-        total += (
-            own * num_experts_per_tok // module.gate_proj.shape[0] if isinstance(module, Experts) else own
-        )
+        own = list(module.parameters(recurse=False))
+        size = sum(p.nbytes for p in own)
+        experts = {p.shape[0] for p in own if p.dim() == 3}
+        stacked = len(experts) == 1 and all(p.dim() == 3 for p in own)
+        total += size * num_experts_per_tok // experts.pop() if stacked else size
     return total
 
 
@@ -485,13 +491,14 @@ def weight_bytes(model: CausalLM) -> tuple[int, list[int]]:
     A token reads one embedding row; a draft step also projects through the shared LM head (or the
     draft head of a restricted draft vocabulary)."""
     cfg, layers = model.cfg, model.model.layers
+    mtp_layers = [model.mtp_layer(i) for i in range(model.num_mtp_layers)]
     row = model.model.embed_tokens.weight[0].nbytes
     head = model.lm_head.weight.nbytes
     norm = model.model.norm.weight.nbytes
     k = cfg.num_experts_per_tok or 0
     target = row + sum(_layer_bytes(layer, k) for layer in layers[: cfg.num_hidden_layers]) + norm + head
     draft_head = head if model.draft_head is None else model.draft_head.weight.nbytes
-    mtp = [row + _layer_bytes(layer, k) + draft_head for layer in layers[cfg.num_hidden_layers :]]
+    mtp = [row + _layer_bytes(layer, k) + draft_head for layer in mtp_layers]
     return target, mtp
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from compiled_mtp import bench, llama_cpp_peer
 from compiled_mtp.capture.profile import DEFAULT_MODEL
+from compiled_mtp.cli import main
 from tests.checkpoints import write_echo_checkpoint
 
 DEPTHS, BATCHES = (0, 1, 2), (1, 2)
@@ -161,3 +162,36 @@ def test_default_model_prompts_are_held_out_text():
     prompts = bench.bench_prompts(DEFAULT_MODEL, 0, 16, 32)
     assert prompts.source == "held-out"
     assert len(prompts.token_ids) == 16 and {len(p) for p in prompts.token_ids} == {32}
+
+
+@pytest.mark.parametrize(
+    "preset,model_type,name,hf_systems",
+    [
+        ("glm-tiny", "glm4_moe", "GLM-4 MoE", {"generate", "generate(use_mtp=True)"}),
+        ("v4-tiny", "deepseek_v4", "DeepSeek-V4", {"generate"}),
+    ],
+)
+def test_random_checkpoint_of_another_family_then_bench(
+    tmp_path, capsys, preset, model_type, name, hf_systems
+):
+    """`random-checkpoint --preset`, then `bench --model` on it: the engine's rows, HF's generate, and
+    generate(use_mtp=True) where HF runs the family's MTP layer (not DeepSeek-V4's, which HF drops);
+    no llama.cpp row (its GGUF export is DeepSeek-V3's)."""
+    ckpt, out = tmp_path / "ckpt", tmp_path / "bench"
+    main(["random-checkpoint", "--preset", preset, "--out", str(ckpt), "--seed", "1"])
+    assert capsys.readouterr().out == f"wrote a random {preset!r} {name} checkpoint to {ckpt}\n"
+    main([
+        "bench", "--model", str(ckpt), "--backend", "eager", "--new-tokens", "4", "--runs", "1", "--prompt-len", "8",
+        "--accept-prompts", "2", "--copy-mb", "16", "--out", str(out), "--depths", "0", "1", "--batch-sizes", "1",
+    ])  # fmt: skip
+    printed = capsys.readouterr().out
+    assert (
+        f"no llama.cpp row: the GGUF export writes DeepSeek-V3 checkpoints only, this is {model_type}"
+        in printed
+    )
+    no_mtp_row = f"no HF generate(use_mtp=True) row: HF transformers does not run {name}'s MTP layer"
+    assert (no_mtp_row in printed) == ("generate(use_mtp=True)" not in hf_systems)
+    data = json.loads((out / "bench-cpu.json").read_text())
+    assert {(e["k"], e["batch"]) for e in data["engine"]} == {(0, 1), (1, 1), ("auto", 1)}
+    assert {(h["system"], h["batch"]) for h in data["hf"]} == {(system, 1) for system in hf_systems}
+    assert all(row["tokens_per_s"] > 0 for row in data["engine"] + data["hf"]) and data["peers"] == []

@@ -4,7 +4,6 @@ accepted counts against HF's generate(use_mtp=True), the loader's layouts and er
 
 from __future__ import annotations
 
-import json
 import logging
 import tempfile
 
@@ -16,7 +15,6 @@ from safetensors.torch import load_file
 from transformers import Glm4MoeConfig as HFGlm4MoeConfig
 
 from compiled_mtp import Runtime, SamplingParams
-from compiled_mtp.cli import main
 from compiled_mtp.graphs.state import StaticState
 from compiled_mtp.hf_baseline import hf_mtp_generate, load_hf
 from compiled_mtp.models.checkpoint import load_model
@@ -257,26 +255,6 @@ def test_group_experts_takes_the_moe_layer_and_live_attention_nothing(glm_path):
     )
     assert passes._count(after, passes.LIVE_ATTENTION) == 0
     passes._assert_same(before, after, state, model, "target_verify", 2, 1, exact=False)
-
-
-def test_random_glm_checkpoint_then_bench_against_hf(tmp_path, capsys):
-    """`random-checkpoint --preset glm-tiny`, then `bench --model` on it: the engine's rows and HF's
-    generate and generate(use_mtp=True); no llama.cpp row (its GGUF export is DeepSeek-V3's)."""
-    ckpt, out = tmp_path / "glm", tmp_path / "bench"
-    main(["random-checkpoint", "--preset", "glm-tiny", "--out", str(ckpt), "--seed", "1"])
-    assert capsys.readouterr().out == f"wrote a random 'glm-tiny' GLM-4 MoE checkpoint to {ckpt}\n"
-    main([
-        "bench", "--model", str(ckpt), "--backend", "eager", "--new-tokens", "4", "--runs", "1", "--prompt-len", "8",
-        "--accept-prompts", "2", "--copy-mb", "16", "--out", str(out), "--depths", "0", "1", "--batch-sizes", "1",
-    ])  # fmt: skip
-    assert (
-        "no llama.cpp row: the GGUF export writes DeepSeek-V3 checkpoints only, this is glm4_moe"
-        in capsys.readouterr().out
-    )
-    data = json.loads((out / "bench-cpu.json").read_text())
-    assert {(e["k"], e["batch"]) for e in data["engine"]} == {(0, 1), (1, 1), ("auto", 1)}
-    assert {(h["system"], h["batch"]) for h in data["hf"]} == {("generate", 1), ("generate(use_mtp=True)", 1)}
-    assert all(row["tokens_per_s"] > 0 for row in data["engine"] + data["hf"]) and data["peers"] == []
 
 
 def test_every_kind_traces_whole_and_matches_hf(glm_path):

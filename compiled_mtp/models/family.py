@@ -160,8 +160,9 @@ class CausalLM(nn.Module):
 @dataclass(frozen=True)
 class Family:
     """A registered model family: its name for people, the checkpoint's `model_type` and
-    `architectures`, the config class (`from_dict(raw, source)`), the model class and HF
-    transformers' class for it (the tests' oracle and the benchmark's baseline)."""
+    `architectures`, the config class (`from_dict(raw, source)`), the model class, HF
+    transformers' class for it (the tests' oracle and the benchmark's baseline) and whether that
+    class runs the checkpoint's MTP layers (`generate(use_mtp=True)`)."""
 
     name: str
     model_type: str
@@ -169,3 +170,4 @@ class Family:
     config: Any
     model: Callable[[Any], CausalLM]  # the model class, from the config
     hf_class: str
+    hf_mtp: bool = True

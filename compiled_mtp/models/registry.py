@@ -34,6 +34,7 @@ FAMILIES: dict[str, Family] = {
             DeepseekV4Config,
             DeepseekV4,
             "DeepseekV4ForCausalLM",
+            hf_mtp=False,  # HF's V4 drops the checkpoint's mtp.* layer
         ),
     )
 }

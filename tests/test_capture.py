@@ -221,6 +221,13 @@ def test_key_covers_the_code_not_the_checkpoint(checkpoints, tmp_path):
     assert cache.stem({**base, "torch": "0.0"}) == cache.stem(base)
     other_config = write_echo_checkpoint(tmp_path / "wide", hidden=64, seed=1)
     assert cache.stem(_key(other_config)) != cache.stem(base)
+    # Inductor splits its loops for the process's thread count: another count, another package.
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert cache.stem(_key(one)) != cache.stem(base)
+    finally:
+        torch.set_num_threads(threads)
 
 
 # ----------------------------------------------------------------------------- the cache

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.utils import parallel_num_threads
 from torch.export.pt2_archive._package import AOTICompiledModel
 
 from ..graphs.plan import GraphKey, GraphKind
@@ -99,6 +100,9 @@ def artifact_key(
             "max_depth": state.draft_probs.shape[1],
         },
         "constants": _layout_digest(constants(model, state)),
+        # Inductor writes the CPU thread count into the code (its loops are split for that many), so
+        # a package built by a one-thread process runs on one core in a two-thread one.
+        "threads": parallel_num_threads(),
         "inductor": {
             name: value.uuid() if isinstance(value, CustomGraphPass) else repr(value)
             for name, value in sorted(options.items())

@@ -43,6 +43,23 @@ def glm_checkpoint(tmp_path_factory):
     return write_glm_checkpoint(tmp_path_factory.mktemp("glm"), glm_config())
 
 
+@pytest.fixture(scope="module")
+def glm_bare_checkpoint(tmp_path_factory):
+    """GLM's other switches: no bias, no qk-norm, a tied LM head, multi-query attention, a quarter
+    of each head rotary, every layer MoE, one expert group."""
+    config = glm_config(
+        attention_bias=False,
+        use_qk_norm=False,
+        tie_word_embeddings=True,
+        num_key_value_heads=1,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25},
+        first_k_dense_replace=0,
+        n_group=1,
+        topk_group=1,
+    )
+    return write_glm_checkpoint(tmp_path_factory.mktemp("glm_bare"), config)
+
+
 # (checkpoint fixture, with its MTP layer): GLM's layout names the NextN tensors, deepseek2's does not
 CHECKPOINTS = [("fp8_checkpoint", False), ("glm_checkpoint", True)]
 
@@ -156,7 +173,7 @@ def test_bad_dtype_is_one_line(capsys):
     assert exit.value.code == 2
 
 
-@pytest.mark.parametrize("checkpoint", [name for name, _ in CHECKPOINTS])
+@pytest.mark.parametrize("checkpoint", [*(name for name, _ in CHECKPOINTS), "glm_bare_checkpoint"])
 def test_llama_cpp_greedy_tokens_equal_the_engine(checkpoint, request, tmp_path):
     pytest.importorskip("llama_cpp", reason="llama-cpp-python comes with the bench extra")
     from compiled_mtp.llama_cpp_peer import LlamaCpp

@@ -58,7 +58,7 @@ from .llama_cpp_peer import LlamaCpp, LlamaCppMTP
 from .models.checkpoint import load_model
 from .models.draft_vocab import read_ranking
 from .models.family import CausalLM
-from .models.gguf_export import export_gguf
+from .models.gguf_export import LAYOUTS, export_gguf
 from .models.registry import read_config
 from .passes.manager import add_pass_switch, without
 from .runtime import DTYPES, Runtime, SamplingParams, acceptance_length, check_device
@@ -926,8 +926,8 @@ def _llama_cpp(args: argparse.Namespace, model_type: str, folder: Path) -> Peers
         if torch.device(args.device).type != "cpu"
         else None
     )
-    if skipped is None and model_type != "deepseek_v3":
-        skipped = f"the GGUF export writes DeepSeek-V3 checkpoints only, this is {model_type}"
+    if skipped is None and model_type not in LAYOUTS:
+        skipped = f"llama.cpp's GGUF has no architecture for {model_type} in this gguf package"
     if skipped is None and not llama_cpp_peer.available():
         skipped = llama_cpp_peer.MISSING
     if skipped:
@@ -946,7 +946,7 @@ def _llama_cpp(args: argparse.Namespace, model_type: str, folder: Path) -> Peers
     try:
         for k in depths:
             peers[f"llama.cpp MTP K={k}"] = LlamaCppMTP(path, context, threads, k)
-    except ValueError as e:  # a llama.cpp whose deepseek2 loads no NextN block, or makes no MTP context
+    except ValueError as e:  # a llama.cpp that loads no NextN block, or makes no MTP context
         print(f"  no llama.cpp MTP rows: {e}", flush=True)
         return {"llama.cpp": peers["llama.cpp"]}
     return peers

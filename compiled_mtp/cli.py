@@ -597,7 +597,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     x = sub.add_parser(
         "export-gguf",
-        help="write the model for llama.cpp (GGUF, its deepseek2 architecture)",
+        help="write the model for llama.cpp (GGUF: deepseek2 for DeepSeek-V3, glm4moe for GLM-4 MoE)",
     )
     x.add_argument(
         "--model", type=Path, default=DEFAULT_MODEL, help="checkpoint directory (default: the shipped model)"

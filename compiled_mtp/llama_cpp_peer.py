@@ -1,9 +1,9 @@
 """llama.cpp as the bench's CPU peer: the same checkpoint exported to GGUF, decoded greedily by
 llama-cpp-python on as many threads as torch uses, and the bench compares its tokens with the
 engine's. `LlamaCpp` is llama.cpp's plain decoding. `LlamaCppMTP` drafts with llama.cpp's own MTP
-graph (its deepseek2 NextN block, from `export_gguf(..., with_mtp=True)`) in a greedy speculative
-loop, driven through llama-cpp-python's low-level API; a llama.cpp without that graph is
-`mtp_available() is False`."""
+graph (the NextN block of its deepseek2 or glm4moe model, from `export_gguf(..., with_mtp=True)`)
+in a greedy speculative loop, driven through llama-cpp-python's low-level API; a llama.cpp without
+that graph is `mtp_available() is False`."""
 
 from __future__ import annotations
 

@@ -14,6 +14,7 @@ import pytest
 from compiled_mtp import bench, llama_cpp_peer
 from compiled_mtp.capture.profile import DEFAULT_MODEL
 from compiled_mtp.cli import main
+from compiled_mtp.models.gguf_export import LAYOUTS
 from tests.checkpoints import write_echo_checkpoint
 
 DEPTHS, BATCHES = (0, 1, 2), (1, 2)
@@ -176,7 +177,8 @@ def test_random_checkpoint_of_another_family_then_bench(
 ):
     """`random-checkpoint --preset`, then `bench --model` on it: the engine's rows, HF's generate, and
     generate(use_mtp=True) where HF runs the family's MTP layer (not DeepSeek-V4's, which HF drops);
-    no llama.cpp row (its GGUF export is DeepSeek-V3's)."""
+    llama.cpp's rows, plain and MTP, on GLM-4 MoE (its glm4moe GGUF) where llama-cpp-python is
+    installed, with the engine's greedy tokens, and none on DeepSeek-V4 (no GGUF architecture)."""
     ckpt, out = tmp_path / "ckpt", tmp_path / "bench"
     main(["random-checkpoint", "--preset", preset, "--out", str(ckpt), "--seed", "1"])
     assert capsys.readouterr().out == f"wrote a random {preset!r} {name} checkpoint to {ckpt}\n"
@@ -185,13 +187,18 @@ def test_random_checkpoint_of_another_family_then_bench(
         "--accept-prompts", "2", "--copy-mb", "16", "--out", str(out), "--depths", "0", "1", "--batch-sizes", "1",
     ])  # fmt: skip
     printed = capsys.readouterr().out
-    assert (
-        f"no llama.cpp row: the GGUF export writes DeepSeek-V3 checkpoints only, this is {model_type}"
-        in printed
+    exported = model_type in LAYOUTS
+    no_gguf_row = (
+        f"no llama.cpp row: llama.cpp's GGUF has no architecture for {model_type} in this gguf package"
     )
+    assert (no_gguf_row in printed) == (not exported)
     no_mtp_row = f"no HF generate(use_mtp=True) row: HF transformers does not run {name}'s MTP layer"
     assert (no_mtp_row in printed) == ("generate(use_mtp=True)" not in hf_systems)
     data = json.loads((out / "bench-cpu.json").read_text())
     assert {(e["k"], e["batch"]) for e in data["engine"]} == {(0, 1), (1, 1), ("auto", 1)}
     assert {(h["system"], h["batch"]) for h in data["hf"]} == {(system, 1) for system in hf_systems}
-    assert all(row["tokens_per_s"] > 0 for row in data["engine"] + data["hf"]) and data["peers"] == []
+    assert all(row["tokens_per_s"] > 0 for row in data["engine"] + data["hf"] + data["peers"])
+    llama = exported and llama_cpp_peer.available()
+    mtp_rows = ["llama.cpp MTP K=1"] if llama and llama_cpp_peer.mtp_available() else []
+    assert [p["system"] for p in data["peers"]] == (["llama.cpp", *mtp_rows] if llama else [])
+    assert all(p["same_tokens"] for p in data["peers"])

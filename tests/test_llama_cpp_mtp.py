@@ -1,7 +1,8 @@
 """llama.cpp's own MTP drafting (`export-gguf --with-mtp`, llama_cpp_peer.LlamaCppMTP): the export
 loads with and without its MTP layer, and the speculative loop's greedy tokens equal llama.cpp's
 plain ones and the engine's, with the engine's accepted count at depth 1 (the same drafts: the
-NextN block reads the target's post-norm hidden as the engine's MTP layer does)."""
+NextN block reads the target's post-norm hidden as the engine's MTP layer does), on DeepSeek-V3's
+deepseek2 export and GLM-4 MoE's glm4moe one."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from compiled_mtp.llama_cpp_peer import LlamaCpp, LlamaCppMTP
 from compiled_mtp.models.checkpoint import load_model
 from compiled_mtp.models.gguf_export import export_gguf
 from tests.checkpoints import set_config_fields, tiny_config, write_checkpoint
+from tests.glm_factory import write_glm_distilled_checkpoint
 
 pytest.importorskip("gguf")
 pytest.importorskip("llama_cpp", reason="llama-cpp-python comes with the bench extra")
@@ -50,14 +52,7 @@ def test_the_mtp_export_decodes_as_the_plain_one_without_its_mtp_layer(exports, 
 def test_mtp_speculation_keeps_the_greedy_tokens(distilled_checkpoint, exports, prompts, depth):
     plain, mtp = exports
     peer, spec = LlamaCpp(plain, context=64, threads=1), LlamaCppMTP(mtp, 64, 1, depth)
-    rt = Runtime(
-        load_model(distilled_checkpoint),
-        mtp_depth=depth,
-        batch_sizes=(1,),
-        max_seq_len=64 + depth,
-        compile_backend="eager",
-        prefill_chunk=8,
-    )
+    rt = _engine(distilled_checkpoint, depth)
     engine_accepted = 0
     for prompt in prompts:
         ours = rt.generate([prompt], SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))[0]
@@ -66,6 +61,31 @@ def test_mtp_speculation_keeps_the_greedy_tokens(distilled_checkpoint, exports, 
     assert 0 < spec.accepted < spec.drafted
     if depth == 1:
         assert spec.accepted == engine_accepted
+
+
+def test_glm_mtp_drafts_are_the_engines(tmp_path, prompts):
+    """llama.cpp's glm4moe loads the NextN block as well: at depth 1 its drafts, and so its accepted
+    count and tokens, are the engine's."""
+    checkpoint = write_glm_distilled_checkpoint(tmp_path / "glm")
+    spec = LlamaCppMTP(export_gguf(checkpoint, tmp_path / "mtp.gguf", with_mtp=True), 64, 1, 1)
+    rt = _engine(checkpoint, 1)
+    engine_accepted = 0
+    for prompt in prompts:
+        ours = rt.generate([prompt], SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))[0]
+        engine_accepted += sum(ours.accepted_per_step)
+        assert spec.generate(prompt, NEW_TOKENS) == ours.token_ids
+    assert 0 < spec.accepted == engine_accepted < spec.drafted
+
+
+def _engine(checkpoint, depth: int) -> Runtime:
+    return Runtime(
+        load_model(checkpoint),
+        mtp_depth=depth,
+        batch_sizes=(1,),
+        max_seq_len=64 + depth,
+        compile_backend="eager",
+        prefill_chunk=8,
+    )
 
 
 def test_an_export_without_mtp_layers_is_refused_for_the_mtp_loop(exports):

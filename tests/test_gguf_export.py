@@ -156,6 +156,20 @@ def test_a_family_llama_cpp_has_no_architecture_for_is_one_line(tmp_path, capsys
     assert not (tmp_path / "x.gguf").exists()
 
 
+def test_a_failed_export_leaves_no_file(glm_checkpoint, tmp_path, monkeypatch):
+    """An export that fails after its header and metadata are written (the disk filled up) leaves
+    neither the file nor a partial one."""
+    import gguf
+
+    def full(self, *args, **kwargs):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", full)
+    with pytest.raises(OSError, match="No space left"):
+        export_gguf(glm_checkpoint, tmp_path / "m.gguf")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_the_shipped_tokenizer_goes_along(tmp_path, capsys):
     main(["export-gguf", "--out", str(tmp_path / "d.gguf"), "--dtype", "bf16"])
     assert "d.gguf" in capsys.readouterr().out

@@ -14,6 +14,7 @@ embedding and head are left out, as the engine's: llama.cpp then uses the target
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,10 +74,30 @@ def export_gguf(checkpoint: str | Path, out: str | Path, dtype: str = "f32", wit
     model = load_model(checkpoint, with_mtp=with_mtp)
     cfg = model.cfg
     arch = gguf.MODEL_ARCH[layout.arch]
-    writer = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch])
-    _write_parameters(writer, gguf, cfg, dtype)
-    layout.parameters(writer, gguf, cfg)
-    _write_vocab(writer, gguf, checkpoint, cfg)
+    # Written beside `out` and moved into place whole: a failed export leaves no partial file.
+    partial = out.with_name(out.name + ".partial")
+    writer = gguf.GGUFWriter(str(partial), gguf.MODEL_ARCH_NAMES[arch])
+    try:
+        _write_parameters(writer, gguf, cfg, dtype)
+        layout.parameters(writer, gguf, cfg)
+        _write_vocab(writer, gguf, checkpoint, cfg)
+        _write_tensors(writer, gguf, model, layout, arch, checkpoint, dtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    os.replace(partial, out)
+    return out
+
+
+def _write_tensors(
+    writer: GGUFWriter, gguf: ModuleType, model: Any, layout: _Layout, arch: Any, checkpoint: Path, dtype: str
+) -> None:
+    """Every parameter under llama.cpp's name for it in `arch`, as `layout` splits it."""
+    cfg = model.cfg
     names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
     for name, tensor in model.state_dict().items():
         for hf_name, part in layout.split(_hf_name(name), tensor, cfg):
@@ -94,11 +115,6 @@ def export_gguf(checkpoint: str | Path, out: str | Path, dtype: str = "f32", wit
                 stored.contiguous().view(_raw(stored.dtype)).numpy(),
                 raw_dtype=_gguf_type(gguf, stored.dtype),
             )
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return out
 
 
 def _nextn_name(gguf: ModuleType, name: str, cfg: Any) -> str | None:

@@ -121,6 +121,12 @@ BAD_SCALE = {
         lambda p: delete_key(p, "layers.1.attn.kv_norm.weight"),
         r"missing key 'layers\.1\.attn\.kv_norm\.weight'",
     ),
+    "block size": (
+        lambda p: set_config_fields(
+            p, quantization_config={"quant_method": "fp8", "weight_block_size": [0, 16]}
+        ),
+        r"config\.json: quantization_config\.weight_block_size must be two integers >= 1, got \[0, 16\]",
+    ),
     "expert dtype": (
         lambda p: set_config_fields(p, expert_dtype="nvfp4"),
         r"config\.json: expert_dtype 'nvfp4' is not supported \(supported: fp8, fp4\)",

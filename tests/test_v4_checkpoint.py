@@ -16,7 +16,7 @@ from compiled_mtp.models.checkpoint import load_model
 from compiled_mtp.models.config import CheckpointError
 from compiled_mtp.reference import reference_generate
 from tests.checkpoints import set_config_fields
-from tests.corruption import copy_checkpoint, delete_key, reshape_key, set_key
+from tests.corruption import add_key, copy_checkpoint, delete_key, reshape_key, set_key
 from tests.oracle import hf_greedy
 from tests.v4_factory import v4_config, write_hf_v4_with, write_published_v4, write_v4_checkpoint
 
@@ -126,6 +126,10 @@ BAD_SCALE = {
             p, quantization_config={"quant_method": "fp8", "weight_block_size": [0, 16]}
         ),
         r"config\.json: quantization_config\.weight_block_size must be two integers >= 1, got \[0, 16\]",
+    ),
+    "unexpected published key": (
+        lambda p: add_key(p, "layers.0.attn.bogus"),
+        r"model\.safetensors: unexpected key 'layers\.0\.attn\.bogus'",
     ),
     "expert dtype": (
         lambda p: set_config_fields(p, expert_dtype="nvfp4"),

@@ -167,7 +167,8 @@ class _Reader:
     def _dequantize(self, key: str, values: Tensor, block: tuple[int, int], kind: str) -> Tensor:
         scale_key = self.layout.scale_key(key)
         if scale_key not in self.sources:
-            raise CheckpointError(f"{self.sources[key].file}: {kind} key {key!r} has no {scale_key!r}")
+            missing = "block scales" if scale_key is None else repr(scale_key)
+            raise CheckpointError(f"{self.sources[key].file}: {kind} key {key!r} has no {missing}")
         src = self.sources[scale_key]
         return dequantize(values, self.handles.get_tensor(src), block, src)
 
@@ -225,7 +226,7 @@ def _check_keys(
     for key in sorted(wanted):
         if key not in sources:
             raise CheckpointError(f"{path}: missing key {key!r}")
-    scales = {layout.scale_key(k) for k in sources}
+    scales = {scale for k in sources if (scale := layout.scale_key(k)) is not None}
     for key, src in sources.items():
         if key in wanted or key in scales or layout.is_copy(key):
             continue

@@ -45,9 +45,10 @@ class KeyLayout:
     def is_copy(self, key: str) -> bool:
         return self.copies is not None and re.match(self.copies, key) is not None
 
-    def scale_key(self, key: str) -> str:
-        """The key of the block scales of the file's quantized weight `key`."""
-        return re.sub(self.scale[0], self.scale[1], key, count=1)
+    def scale_key(self, key: str) -> str | None:
+        """The key of the block scales of the file's quantized weight `key` (None: it has none)."""
+        scale, found = re.subn(self.scale[0], self.scale[1], key, count=1)
+        return scale if found else None
 
 
 # The layout HF's save_pretrained writes, and DeepSeek-V3 and GLM-4.5 publish: FP8 weights'

@@ -6,6 +6,7 @@ config.json is edited with `set_config_fields` (tests/checkpoints.py, which also
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -41,15 +42,15 @@ def add_key(path: str | Path, key: str, value: Tensor | None = None) -> None:
     rewrite_tensors(path, lambda file, tensors: tensors | extra if file == last else tensors)
 
 
+def set_key(path: str | Path, key: str, value: Callable[[Tensor], Tensor]) -> None:
+    """Replace tensor `key` by `value(the tensor)`, in its own file."""
+    file = file_of(path, key)
+    rewrite_tensors(path, lambda f, tensors: tensors | {key: value(tensors[key])} if f == file else tensors)
+
+
 def reshape_key(path: str | Path, key: str, shape: tuple[int, ...]) -> None:
     """Replace tensor `key` by zeros of `shape` (same dtype)."""
-    file = file_of(path, key)
-    rewrite_tensors(
-        path,
-        lambda f, tensors: (
-            tensors | {key: torch.zeros(shape, dtype=tensors[key].dtype)} if f == file else tensors
-        ),
-    )
+    set_key(path, key, lambda t: torch.zeros(shape, dtype=t.dtype))
 
 
 def truncate_file(file: str | Path, fraction: float = 0.5) -> None:

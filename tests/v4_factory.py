@@ -6,6 +6,12 @@ HF's `save_pretrained` writes the target in DeepSeek's key names (`model.layers.
 (`mtp.0.*`, as DeepSeek publishes it) is added here: its block's keys are those HF writes for a
 one-layer model with sliding attention and score-routed MoE, plus `e_proj`, `h_proj`, `enorm`, `hnorm`,
 `norm` and `hc_head_{fn,base,scale}`. `hf_mtp_oracle` reads them back into HF modules.
+
+`write_published_v4` rewrites such a checkpoint as DeepSeek publishes V4 (`embed.weight`,
+`layers.{i}.attn.kv_norm.weight`, `hc_head_fn`, ...), optionally quantized the way DeepSeek's own
+inference code reads it: FP8 e4m3 linears with power-of-two (float8_e8m0fnu) block scales in
+`*.scale`, routed experts FP8 the same way or FP4 (e2m1 codes two to an int8, low nibble first, a scale
+per 32 inputs of a row).
 """
 
 from __future__ import annotations
@@ -13,7 +19,10 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
+import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -235,3 +244,128 @@ def write_v4_distilled_checkpoint(
         mtp.hc_head_scale.copy_(model.model.hc_head.hc_scale)
     checkpoints.distill_mtp(model, steps, seed)
     return save_checkpoint(model, json.loads((Path(path) / "config.json").read_text()), path)
+
+
+# ----------------------------------------------------------------------------- DeepSeek's published layout
+
+# HF save_pretrained's top-level keys -> DeepSeek's (transformers' conversion_mapping "deepseek_v4").
+_PUBLISHED_TOP = {"model.embed_tokens.": "embed.", "model.norm.": "norm.", "model.hc_head.hc_": "hc_head_"}
+# What DeepSeek quantizes: the linears FP8 (HF's V4 keeps the compressors and the indexer's
+# weights_proj in bf16), the routed experts FP8 or FP4.
+_FP8_LINEAR = re.compile(r".*\.(wq_a|wq_b|wkv|wo_a|wo_b|shared_experts\.w[123]|e_proj|h_proj)\.weight$")
+_ROUTED_EXPERT = re.compile(r".*\.ffn\.experts\.\d+\.w[123]\.weight$")
+_E2M1_MAGNITUDES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+FP8_MAX, FP4_MAX, FP4_GROUP = 448.0, 6.0, 32
+
+
+def published_key(key: str) -> str:
+    """DeepSeek's name for a key HF's save_pretrained writes."""
+    for hf, published in _PUBLISHED_TOP.items():
+        if key.startswith(hf):
+            return published + key[len(hf) :]
+    if key.startswith("model.layers."):
+        key = key[len("model.") :]
+    return key.replace(".attn.norm.", ".attn.kv_norm.")
+
+
+def _power_of_two_scale(amax: Tensor, top: float) -> Tensor:
+    """The smallest power of two s with amax / s <= top (1 for an all-zero block), as ue8m0 holds."""
+    return torch.where(amax > 0, torch.exp2(torch.ceil(torch.log2(amax / top))), torch.ones_like(amax))
+
+
+def quantize_fp8_ue8m0(w: Tensor, block: tuple[int, int]) -> tuple[Tensor, Tensor, Tensor]:
+    """(e4m3 weight, float8_e8m0fnu scale [ceil(rows/br), ceil(cols/bc)], the float32 values they
+    stand for) of a 2-D weight; edge blocks may be partial."""
+    rows, cols = w.shape
+    br, bc = block
+    nr, nc = -(-rows // br), -(-cols // bc)
+    padded = w.new_zeros(nr * br, nc * bc, dtype=torch.float32)
+    padded[:rows, :cols] = w.float()
+    scale = _power_of_two_scale(padded.view(nr, br, nc, bc).abs().amax(dim=(1, 3)), FP8_MAX)
+    per_element = scale.repeat_interleave(br, 0).repeat_interleave(bc, 1)[:rows, :cols]
+    q = (w.float() / per_element).to(torch.float8_e4m3fn)
+    return q, scale.to(torch.float8_e8m0fnu), q.float() * per_element
+
+
+def _e2m1_value(code: Tensor) -> Tensor:
+    """An e2m1 code's value from its bits: sign, two exponent bits (bias 1), one mantissa bit."""
+    sign = 1.0 - 2.0 * ((code >> 3) & 1).float()
+    exponent, mantissa = ((code >> 1) & 3).float(), (code & 1).float()
+    magnitude = torch.where(exponent == 0, 0.5 * mantissa, torch.exp2(exponent - 1) * (1 + 0.5 * mantissa))
+    return sign * magnitude
+
+
+def quantize_fp4(w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(int8 [rows, cols / 2] of e2m1 codes, the even column's in the low nibble, float8_e8m0fnu
+    scale [rows, cols / 32], the float32 values they stand for) of a weight, cols a multiple of 32."""
+    rows, cols = w.shape
+    groups = w.float().view(rows, cols // FP4_GROUP, FP4_GROUP)
+    scale = _power_of_two_scale(groups.abs().amax(-1), FP4_MAX)
+    x = groups / scale[..., None]
+    code = (x.abs()[..., None] - _E2M1_MAGNITUDES).abs().argmin(-1) | ((x < 0).long() << 3)
+    code = code.view(rows, cols)
+    packed = (code[:, 0::2] | (code[:, 1::2] << 4)).to(torch.uint8).view(torch.int8)
+    values = _e2m1_value(code) * scale.repeat_interleave(FP4_GROUP, 1)
+    return packed, scale.to(torch.float8_e8m0fnu), values
+
+
+def _quantizer(
+    key: str, experts: str | None, block: tuple[int, int]
+) -> Callable[[Tensor], tuple[Tensor, Tensor, Tensor]] | None:
+    """How `write_published_v4` stores HF key `key`: None for as it is."""
+    if experts is None or not (_FP8_LINEAR.match(key) or _ROUTED_EXPERT.match(key)):
+        return None
+    if experts == "fp4" and _ROUTED_EXPERT.match(key):
+        return quantize_fp4
+    return lambda w: quantize_fp8_ue8m0(w, block)
+
+
+def write_published_v4(
+    src: str | Path,
+    dst: str | Path,
+    *,
+    experts: str | None = None,
+    block: tuple[int, int] = (16, 16),
+    mtp_copies: bool = False,
+) -> dict[str, Tensor]:
+    """HF-layout V4 checkpoint `src` rewritten at `dst` in DeepSeek's published layout (one file).
+
+    `experts` None keeps the weights as they are; "fp8" or "fp4" quantizes the linears to FP8 with
+    `block` scales and the routed experts to that format, and writes quantization_config and
+    expert_dtype. `mtp_copies` adds copies of the embedding and head under the MTP layer, with
+    zeros for values (a loader must use the target's). Returns every weight as the file's values
+    stand for it, under HF's key names (the quantized ones dequantized here)."""
+    dst = Path(dst)
+    dst.mkdir(parents=True)
+    tensors = load_file(str(Path(src) / "model.safetensors"))
+    out: dict[str, Tensor] = {}
+    values: dict[str, Tensor] = {}
+    for key, value in tensors.items():
+        name, quantize = published_key(key), _quantizer(key, experts, block)
+        if quantize is None:
+            out[name] = values[key] = value
+        else:
+            out[name], out[name.removesuffix(".weight") + ".scale"], values[key] = quantize(value)
+    if mtp_copies:
+        out["mtp.0.emb.tok_emb.weight"] = torch.zeros_like(tensors["model.embed_tokens.weight"])
+        out["mtp.0.head.weight"] = torch.zeros_like(tensors["head.weight"])
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((Path(src) / "config.json").read_text())
+    if experts is not None:
+        config["expert_dtype"] = experts
+        config["quantization_config"] = {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "scale_fmt": "ue8m0",
+            "weight_block_size": list(block),
+        }
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return values
+
+
+def write_hf_v4_with(src: str | Path, dst: str | Path, values: dict[str, Tensor]) -> Path:
+    """A copy of HF-layout checkpoint `src` at `dst` holding `values` (float32) instead."""
+    dst = Path(shutil.copytree(src, dst))
+    checkpoints.rewrite_tensors(dst, lambda _, tensors: tensors | values)
+    return dst

@@ -1,10 +1,14 @@
-"""Load and write HF-layout checkpoints of every registered family (config.json + safetensors,
-optionally sharded): DeepSeek-V3 and GLM-4 MoE as released (MTP layers numbered after the target's,
-routed experts as per-expert keys) and as HF's `save_pretrained` writes them.
+"""Load and write checkpoints of every registered family (config.json + safetensors, optionally
+sharded): DeepSeek-V3 and GLM-4 MoE as released (MTP layers numbered after the target's, routed
+experts as per-expert keys) and as HF's `save_pretrained` writes them; DeepSeek-V4 as HF writes it
+and as DeepSeek publishes it (the family's `KeyLayout`, told from the keys).
 
 Loading builds the model on the meta device and assigns each tensor straight from the memory-mapped
-files, so at most one tensor is ever held twice (while it is converted). Released DeepSeek-V3 and
-GLM-4.5 FP8 weights are e4m3 with 128x128 block scales (`*.weight_scale_inv`); they are dequantized here.
+files, so at most one tensor is ever held twice (while it is converted). Quantized weights are
+dequantized here, each multiplied by its block scale (float32, or power-of-two float8_e8m0fnu):
+FP8 (e4m3) with blocks of `quantization_config.weight_block_size` (DeepSeek-V3, GLM-4.5: scales
+`*.weight_scale_inv`; DeepSeek-V4: `*.scale`), and DeepSeek-V4's FP4 experts, e2m1 values packed two
+to a byte (low nibble first) in an int8 tensor [out, in / 2] with a scale per 32 inputs of a row.
 """
 
 from __future__ import annotations
@@ -20,10 +24,15 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from .config import CheckpointError
-from .family import CausalLM, FamilyConfig
+from .family import CausalLM, FamilyConfig, KeyLayout
 from .registry import read_config
 
 INDEX_FILE = "model.safetensors.index.json"
+_FP4_BLOCK = 32  # inputs of a row that share one FP4 scale
+# e2m1 by code: sign bit 3, two exponent bits, one mantissa bit.
+_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_FP4_STORAGE = ("I8", "U8")  # the safetensors dtypes packed FP4 comes in
 
 
 @dataclass(frozen=True)
@@ -53,16 +62,17 @@ def load_model(
     sources = _index(path)
     with torch.device("meta"):
         model = family.model(cfg)
-    expected = _expected_keys(model)
-    _check_keys(path, model, cfg, sources, expected)
-    handles = _Handles()
+    layout = model.key_layout(sources)
+    expected = _expected_keys(model, layout)
+    _check_keys(path, model, cfg, layout, sources, expected)
+    reader = _Reader(sources, cfg.fp8_block_size or (128, 128), layout)
     try:
         for name, param in list(model.state_dict(keep_vars=True).items()):
             target_dtype = _load_dtype(name, param, dtype)
-            tensor = _materialize(name, param, expected[name], sources, handles, cfg, target_dtype, device)
+            tensor = _materialize(param, expected[name], reader, target_dtype, device)
             _assign(model, name, tensor)
     finally:
-        handles.close()
+        reader.close()
     model.rope = model.make_rope().to(device)
     return model.eval()
 
@@ -115,24 +125,86 @@ class _Handles:
             self._open[src.file] = _open(src.file)
         handle = self._open[src.file]
         try:
-            return handle.get_tensor(src.key) if read else handle.get_slice(src.key).get_shape()
+            return handle.get_tensor(src.key) if read else handle.get_slice(src.key)
         except (SafetensorError, OSError, ValueError) as e:  # e.g. the index names a key the shard lacks
             raise CheckpointError(f"{src.file}: cannot read key {src.key!r} ({e})") from None
 
     def get_tensor(self, src: _Source) -> Tensor:
         return self._slice(src, read=True)
 
-    def shape(self, src: _Source) -> list[int]:
-        return list(self._slice(src, read=False))
+    def header(self, src: _Source) -> tuple[list[int], str]:
+        """The stored shape and safetensors dtype ("F32", "F8_E4M3", "I8", ...), read from the header."""
+        view = self._slice(src, read=False)
+        return list(view.get_shape()), view.get_dtype()
 
     def close(self) -> None:
         self._open.clear()
 
 
-def _expected_keys(model: CausalLM) -> dict[str, list[str]]:
-    """model parameter name -> the checkpoint keys it is built from (several for stacked experts)."""
+class _Reader:
+    """Reads checkpoint keys as tensors of their logical shape: FP8 and packed FP4 weights
+    dequantized with the scales `layout` names."""
+
+    def __init__(self, sources: dict[str, _Source], fp8_block: tuple[int, int], layout: KeyLayout) -> None:
+        self.sources, self.fp8_block, self.layout = sources, fp8_block, layout
+        self.handles = _Handles()
+
+    def shape(self, key: str, floating: bool) -> tuple[list[int], bool]:
+        """(the logical shape of `key`, whether it is packed FP4, two values to a stored byte)."""
+        shape, dtype = self.handles.header(self.sources[key])
+        if floating and dtype in _FP4_STORAGE and shape:
+            return [*shape[:-1], 2 * shape[-1]], True
+        return shape, False
+
+    def read(self, key: str, floating: bool) -> Tensor:
+        tensor = self.handles.get_tensor(self.sources[key])
+        if tensor.dtype in _FP8:
+            return self._dequantize(key, tensor.float(), self.fp8_block, "FP8")
+        if floating and tensor.dtype in (torch.int8, torch.uint8):
+            return self._dequantize(key, unpack_fp4(tensor), (1, _FP4_BLOCK), "FP4")
+        return tensor
+
+    def _dequantize(self, key: str, values: Tensor, block: tuple[int, int], kind: str) -> Tensor:
+        scale_key = self.layout.scale_key(key)
+        if scale_key not in self.sources:
+            missing = "block scales" if scale_key is None else repr(scale_key)
+            raise CheckpointError(f"{self.sources[key].file}: {kind} key {key!r} has no {missing}")
+        src = self.sources[scale_key]
+        return dequantize(values, self.handles.get_tensor(src), block, src)
+
+    def close(self) -> None:
+        self.handles.close()
+
+
+def unpack_fp4(packed: Tensor) -> Tensor:
+    """e2m1 codes two to a byte, the low nibble first -> float32 values, twice as many per row."""
+    codes = packed.view(torch.uint8)
+    nibbles = torch.stack([codes & 0xF, codes >> 4], dim=-1).flatten(-2)
+    return _E2M1[nibbles.long()]
+
+
+def dequantize(values: Tensor, scale: Tensor, block: tuple[int, int], where: _Source) -> Tensor:
+    """Decoded FP8 or FP4 values [rows, cols] -> float32, every [block] tile multiplied by its
+    scale; a scale of the wrong shape, dtype or with a non-finite value is one error naming it."""
+    rows, cols = values.shape
+    br, bc = block
+    want = [-(-rows // br), -(-cols // bc)]
+    bad = f"{where.file}: scale {where.key!r}"
+    if list(scale.shape) != want:
+        raise CheckpointError(f"{bad} has shape {list(scale.shape)}, expected {want}")
+    if not scale.is_floating_point() or scale.dtype in _FP8:
+        raise CheckpointError(f"{bad} has dtype {scale.dtype}, expected float32 or float8_e8m0fnu")
+    scale = scale.float()
+    if not torch.isfinite(scale).all():
+        raise CheckpointError(f"{bad} has non-finite values")
+    return values * scale.repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
+
+
+def _expected_keys(model: CausalLM, layout: KeyLayout) -> dict[str, list[str]]:
+    """model parameter name -> the file's keys it is built from (several for stacked experts)."""
     return {
-        name: model.checkpoint_keys(name, param) for name, param in model.state_dict(keep_vars=True).items()
+        name: [layout.key(k) for k in model.checkpoint_keys(name, param)]
+        for name, param in model.state_dict(keep_vars=True).items()
     }
 
 
@@ -140,6 +212,7 @@ def _check_keys(
     path: Path,
     model: CausalLM,
     cfg: FamilyConfig,
+    layout: KeyLayout,
     sources: dict[str, _Source],
     expected: dict[str, list[str]],
 ) -> None:
@@ -153,21 +226,15 @@ def _check_keys(
     for key in sorted(wanted):
         if key not in sources:
             raise CheckpointError(f"{path}: missing key {key!r}")
+    scales = {scale for k in sources if (scale := layout.scale_key(k)) is not None}
     for key, src in sources.items():
-        if key in wanted or _allowed_extra(key, sources, model, cfg, mtp_keys[key]):
+        if key in wanted or key in scales or layout.is_copy(key):
             continue
-        raise CheckpointError(f"{src.file}: unexpected key {key!r}")
+        if not _skipped_mtp_key(model, cfg, mtp_keys[key]):
+            raise CheckpointError(f"{src.file}: unexpected key {key!r}")
 
 
-def _allowed_extra(
-    key: str,
-    sources: dict[str, _Source],
-    model: CausalLM,
-    cfg: FamilyConfig,
-    mtp_key: tuple[int, str] | None,
-) -> bool:
-    if key.endswith("_scale_inv"):
-        return key[: -len("_scale_inv")] in sources
+def _skipped_mtp_key(model: CausalLM, cfg: FamilyConfig, mtp_key: tuple[int, str] | None) -> bool:
     if mtp_key is None:
         return False
     layer, rest = mtp_key
@@ -176,52 +243,23 @@ def _allowed_extra(
 
 
 def _materialize(
-    name: str,
-    param: Tensor,
-    keys: list[str],
-    sources: dict[str, _Source],
-    handles: _Handles,
-    cfg: FamilyConfig,
-    dtype: torch.dtype,
-    device: torch.device | str,
+    param: Tensor, keys: list[str], reader: _Reader, dtype: torch.dtype, device: torch.device | str
 ) -> Tensor:
+    floating = param.is_floating_point()
     shape = list(param.shape[1:]) if len(keys) > 1 else list(param.shape)
     for key in keys:
-        got = handles.shape(sources[key])
+        got, packed = reader.shape(key, floating)
         if got != shape:
-            raise CheckpointError(f"{sources[key].file}: key {key!r} has shape {got}, expected {shape}")
+            unpacked = " unpacked from FP4" if packed else ""
+            raise CheckpointError(
+                f"{reader.sources[key].file}: key {key!r} has shape {got}{unpacked}, expected {shape}"
+            )
     if len(keys) == 1:
-        return _read(keys[0], sources, handles, cfg).to(device=device, dtype=dtype)
+        return reader.read(keys[0], floating).to(device=device, dtype=dtype)
     out = torch.empty(param.shape, dtype=dtype, device=device)
     for e, key in enumerate(keys):
-        out[e].copy_(_read(key, sources, handles, cfg))
+        out[e].copy_(reader.read(key, floating))
     return out
-
-
-def _read(key: str, sources: dict[str, _Source], handles: _Handles, cfg: FamilyConfig) -> Tensor:
-    tensor = handles.get_tensor(sources[key])
-    if tensor.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
-        return tensor
-    scale_key = key + "_scale_inv"
-    if scale_key not in sources:
-        raise CheckpointError(f"{sources[key].file}: FP8 key {key!r} has no {scale_key!r}")
-    return dequantize_fp8(
-        tensor, handles.get_tensor(sources[scale_key]), cfg.fp8_block_size or (128, 128), sources[scale_key]
-    )
-
-
-def dequantize_fp8(weight: Tensor, scale_inv: Tensor, block: tuple[int, int], where: object = "") -> Tensor:
-    """Block-scaled FP8 -> float32: every [block x block] tile is multiplied by its scale."""
-    rows, cols = weight.shape
-    br, bc = block
-    want = [-(-rows // br), -(-cols // bc)]
-    if list(scale_inv.shape) != want:
-        raise CheckpointError(
-            f"{getattr(where, 'file', where)}: scale {getattr(where, 'key', '')!r}"
-            f" has shape {list(scale_inv.shape)}, expected {want}"
-        )
-    scale = scale_inv.float().repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
-    return weight.float() * scale
 
 
 def _assign(model: CausalLM, name: str, tensor: Tensor) -> None:

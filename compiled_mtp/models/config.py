@@ -205,7 +205,14 @@ def fp8_block_size(raw: dict[str, Any], source: str) -> tuple[int, int] | None:
         raise CheckpointError(
             f"{source}: quantization_config.quant_method {quant.get('quant_method')!r} is not supported (only 'fp8')"
         )
-    return tuple(quant.get("weight_block_size") or (128, 128))
+    block = quant.get("weight_block_size") or [128, 128]
+    if not (
+        isinstance(block, (list, tuple)) and len(block) == 2 and all(type(b) is int and b >= 1 for b in block)
+    ):
+        raise CheckpointError(
+            f"{source}: quantization_config.weight_block_size must be two integers >= 1, got {block!r}"
+        )
+    return block[0], block[1]
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:

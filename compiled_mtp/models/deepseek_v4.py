@@ -19,7 +19,9 @@ long-range entries, hash- and score-routed MoE, and hyper-connections, as HF tra
   ([.., hc_mult * hidden_size], `hidden_width`); `logits` and `draft_logits` collapse them.
 
 Parameters carry the names HF's `save_pretrained` writes (DeepSeek's own: `attn.wq_a`, `ffn.experts.{e}.w1`,
-`hc_attn_fn`, `head.weight`, ...); routed experts are stacked per layer as for the other families.
+`hc_attn_fn`, `head.weight`, ...); routed experts are stacked per layer as for the other families. The
+checkpoints DeepSeek publishes differ in a few names (`PUBLISHED_LAYOUT`) and come quantized: FP8
+block-scaled linears and FP8 or FP4 routed experts, their scales in `*.scale` (checkpoint.py).
 
 The cache keeps one row per position per layer (a `RowCache`): the rotated KV head, and on compressed
 layers the compressor's (and the indexer's) projected values and gate logits of that position. The
@@ -42,13 +44,41 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .config import CheckpointError, RopeConfig, eos_ids, need, need_sizes, reading, rope_config
-from .family import CausalLM
+from .config import (
+    CheckpointError,
+    RopeConfig,
+    eos_ids,
+    fp8_block_size,
+    need,
+    need_sizes,
+    reading,
+    rope_config,
+)
+from .family import CausalLM, KeyLayout
 from .layers import Context, Linear, RMSNorm, Rope, RowCache
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 _RATIO_LAYER_TYPE = {0: SLIDING, 4: CSA, 128: HCA}  # the released configs' `compress_ratios`
 _SCORE_FUNCTIONS = {"sqrtsoftplus": lambda x: F.softplus(x).sqrt(), "sigmoid": torch.sigmoid}
+# config.json's expert_dtype: how a quantized checkpoint stores its routed experts.
+_EXPERT_DTYPES = ("fp8", "fp4")
+
+# The keys DeepSeek publishes, from the names HF's save_pretrained writes (transformers'
+# conversion_mapping "deepseek_v4", read backwards: HF renames `kv_norm` to `norm`, and keeps the
+# top-level keys under `model.`). The published MTP layer may carry copies of the embedding
+# (`mtp.{i}.emb.*`) and head, which DeepSeek's own loader drops for the shared ones; so does this one.
+PUBLISHED_LAYOUT = KeyLayout(
+    marker="embed.weight",
+    renames=(
+        (r"^model\.embed_tokens\.", "embed."),
+        (r"^model\.norm\.", "norm."),
+        (r"^model\.hc_head\.hc_", "hc_head_"),
+        (r"^model\.layers\.", "layers."),
+        (r"\.attn\.norm\.", ".attn.kv_norm."),
+    ),
+    scale=(r"\.weight$", ".scale"),
+    copies=r"^mtp\.\d+\.(emb\..*|head\.weight)$",
+)
 
 
 @dataclass(frozen=True)
@@ -87,7 +117,7 @@ class DeepseekV4Config:
     max_position_embeddings: int = 1048576
     num_nextn_predict_layers: int = 0
     eos_token_ids: tuple[int, ...] = ()
-    fp8_block_size: tuple[int, int] | None = None  # quantized V4 checkpoints are not read
+    fp8_block_size: tuple[int, int] | None = None
 
     def compress_rate(self, layer_type: str) -> int:
         """m of a layer type: the positions pooled into one compressed entry (0: sliding only)."""
@@ -107,8 +137,7 @@ class DeepseekV4Config:
             raise CheckpointError(
                 f"{source}: hidden_act {raw['hidden_act']!r} is not supported (only 'silu')"
             )
-        if raw.get("quantization_config"):
-            raise CheckpointError(f"{source}: quantization_config is not supported for deepseek_v4")
+        _check_expert_dtype(raw, source)
         with reading(source):
             n = int(raw["num_hidden_layers"])
             head_dim = int(raw["head_dim"])
@@ -148,6 +177,7 @@ class DeepseekV4Config:
                 max_position_embeddings=int(raw.get("max_position_embeddings", 1048576)),
                 num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0),
                 eos_token_ids=eos_ids(raw),
+                fp8_block_size=fp8_block_size(raw, source),
             )
         cfg._check(source)
         return cfg
@@ -197,6 +227,18 @@ class DeepseekV4Config:
             self.num_nextn_predict_layers <= 1,
             source,
             f"num_nextn_predict_layers must be in [0, 1] for deepseek_v4, got {self.num_nextn_predict_layers}",
+        )
+
+
+def _check_expert_dtype(raw: dict[str, Any], source: str) -> None:
+    """expert_dtype (top level, as V4 has it, or in quantization_config, where V4.1 moves it) must
+    name a storage the loader reads; which one each weight is, its own dtype tells."""
+    quant = raw.get("quantization_config") or {}
+    field_name = "quantization_config.expert_dtype" if "expert_dtype" in quant else "expert_dtype"
+    value = quant.get("expert_dtype", raw.get("expert_dtype"))
+    if value is not None and value not in _EXPERT_DTYPES:
+        raise CheckpointError(
+            f"{source}: {field_name} {value!r} is not supported (supported: {', '.join(_EXPERT_DTYPES)})"
         )
 
 
@@ -631,6 +673,7 @@ class DeepseekV4(CausalLM):
     layer's row]."""
 
     model_type = "deepseek_v4"
+    layouts = (PUBLISHED_LAYOUT,)
 
     def __init__(self, cfg: DeepseekV4Config) -> None:
         width = max(cfg.cache_width(kind) for kind in (*cfg.layer_types, SLIDING))

@@ -11,7 +11,7 @@ its model class and its checkpoint's key names. Nothing outside `models/` names 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
@@ -22,6 +22,38 @@ from .layers import Context, Linear, Rope, RowCache
 
 # Stacked routed experts (one [E, ...] parameter) come from per-expert checkpoint keys.
 STACKED_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(gate_proj|up_proj|down_proj)$")
+
+
+@dataclass(frozen=True)
+class KeyLayout:
+    """How a checkpoint names its tensors, relative to the names `checkpoint_keys` gives (HF's):
+    `renames` (regex, replacement) pairs applied in order, the name of a quantized weight's scale
+    (`scale`, a pair applied to the weight's key), and `copies`, keys the loader skips (copies of
+    shared weights). A family's other layouts are told apart by `marker`, a key only they have."""
+
+    marker: str = ""
+    renames: tuple[tuple[str, str], ...] = ()
+    scale: tuple[str, str] = (r"$", "_scale_inv")
+    copies: str | None = None
+
+    def key(self, name: str) -> str:
+        """The file's key for checkpoint key `name`."""
+        for pattern, replacement in self.renames:
+            name = re.sub(pattern, replacement, name)
+        return name
+
+    def is_copy(self, key: str) -> bool:
+        return self.copies is not None and re.match(self.copies, key) is not None
+
+    def scale_key(self, key: str) -> str | None:
+        """The key of the block scales of the file's quantized weight `key` (None: it has none)."""
+        scale, found = re.subn(self.scale[0], self.scale[1], key, count=1)
+        return scale if found else None
+
+
+# The layout HF's save_pretrained writes, and DeepSeek-V3 and GLM-4.5 publish: FP8 weights'
+# scales are `<key>_scale_inv`.
+HF_LAYOUT = KeyLayout()
 
 
 class FamilyConfig(Protocol):
@@ -44,6 +76,8 @@ class CausalLM(nn.Module):
     gathers its experts; `checkpoint_keys` maps one back to the keys it is read from."""
 
     model_type: ClassVar[str]
+    # Layouts the family reads besides HF_LAYOUT, each told by its marker key.
+    layouts: ClassVar[tuple[KeyLayout, ...]] = ()
 
     # The family's embedding, layers and final norm: layers.Backbone for DeepSeek-V3 and GLM-4 MoE.
     model: Any
@@ -69,6 +103,11 @@ class CausalLM(nn.Module):
         if m:
             return [f"{m.group(1)}.{e}.{m.group(2)}.weight" for e in range(param.shape[0])]
         return [name]
+
+    def key_layout(self, keys: Collection[str]) -> KeyLayout:
+        """The layout of a checkpoint holding `keys`: the first of `layouts` whose marker is among
+        them, else HF_LAYOUT."""
+        return next((layout for layout in self.layouts if layout.marker in keys), HF_LAYOUT)
 
     @property
     def num_mtp_layers(self) -> int:

@@ -96,6 +96,52 @@ def test_mtp_logits_match_hf_modules(config):
         torch.testing.assert_close(engine_draft_logits(ours, tokens), expected, atol=ATOL, rtol=RTOL)
 
 
+def _float32_tensors(tensors) -> list[tuple]:
+    """The float32 tensors among `tensors`, by shape and values (names differ between HF and here)."""
+    return sorted((tuple(t.shape), t.flatten().tolist()) for t in tensors if t.dtype == torch.float32)
+
+
+@torch.no_grad()
+def test_bfloat16_keeps_hf_float32_parameters_and_logits(v4_path):
+    """In bfloat16 the parameters HF's V4 keeps in float32 (norms, hyper-connections, sinks, position
+    biases, router biases; for the MTP layer also its enorm, hnorm, norm and hc_head, as DeepSeek's own
+    code keeps them) are float32 here too, and every norm multiplies in float32 and casts once. The
+    eager ops are then HF's, in HF's order, so target and MTP logits are HF's bit for bit; with those
+    parameters rounded to bfloat16 they move by 0.16 here."""
+    hf, ours = load_hf(v4_path, dtype=torch.bfloat16), load_model(v4_path, dtype=torch.bfloat16)
+    oracle = HFMtpOracle(v4_path, hf, dtype=torch.bfloat16)
+    ours_target, ours_mtp = [], []
+    for name, t in ours.state_dict().items():
+        (ours_mtp if name.startswith("mtp.") else ours_target).append(t)
+    assert _float32_tensors(ours_target) == _float32_tensors(hf.state_dict().values())
+    hf_mtp = [*oracle.block.state_dict().values(), *(norm.weight for norm in oracle.norms.values())]
+    assert _float32_tensors(ours_mtp) == _float32_tensors(hf_mtp)
+    tokens = _tokens(97, PROMPT, seed=2)
+    expected, exact = hf_logits(hf, tokens).float(), dict(atol=0.0, rtol=0.0)
+    torch.testing.assert_close(engine_logits(ours, tokens), expected, **exact)
+    torch.testing.assert_close(engine_logits(ours, tokens, chunk=5), expected, **exact)
+    torch.testing.assert_close(
+        engine_draft_logits(ours, tokens), oracle.draft_logits(tokens).float(), **exact
+    )
+
+
+def test_bfloat16_runtime_greedy_equals_hf_bfloat16(v4_path):
+    """The step graphs (eager) of a bfloat16 model at K = 2, buckets 2 and 1: HF's bfloat16 greedy."""
+    hf = load_hf(v4_path, dtype=torch.bfloat16)
+    prompts = [_tokens(97, n, seed=n) for n in (5, 12)]
+    rt = Runtime.from_pretrained(
+        v4_path,
+        dtype="bfloat16",
+        mtp_depth=2,
+        batch_sizes=(1, 2),
+        max_seq_len=64,
+        compile_backend="eager",
+        cache_dir=None,
+    )
+    outs = rt.generate(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (6, 16)])
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, n) for p, n in zip(prompts, (6, 16))]
+
+
 @settings(max_examples=3, deadline=None)
 @given(v4_config_strategy(), st.lists(st.integers(1, 9), min_size=1, max_size=2))
 @example(v4_config(), [5])

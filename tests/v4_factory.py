@@ -163,9 +163,12 @@ def write_v4_checkpoint(
 class HFMtpOracle:
     """MTP layer 0 of a checkpoint from HF's own V4 modules: a one-layer DeepseekV4ForCausalLM whose
     DeepseekV4DecoderLayer (sliding attention, MoE), DeepseekV4HyperHead and final norm hold the
-    MTP block, hc_head and norm, with DeepseekV4RMSNorm enorm / hnorm and e_proj / h_proj beside."""
+    MTP block, hc_head and norm, with DeepseekV4RMSNorm enorm / hnorm (float32, as HF keeps its norms)
+    and e_proj / h_proj beside, in `dtype` (the target's)."""
 
-    def __init__(self, path: str | Path, target: DeepseekV4ForCausalLM) -> None:
+    def __init__(
+        self, path: str | Path, target: DeepseekV4ForCausalLM, dtype: torch.dtype = torch.float32
+    ) -> None:
         tensors = load_file(str(Path(path) / "model.safetensors"))
         mtp = {k[len("mtp.0.") :]: v for k, v in tensors.items() if k.startswith("mtp.0.")}
         keys = {
@@ -180,14 +183,14 @@ class HFMtpOracle:
         with tempfile.TemporaryDirectory() as tmp:
             save_file(keys, str(Path(tmp) / "model.safetensors"), metadata={"format": "pt"})
             (Path(tmp) / "config.json").write_text(json.dumps(config.to_dict()))
-            self.block = DeepseekV4ForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+            self.block = DeepseekV4ForCausalLM.from_pretrained(tmp, dtype=dtype).eval()
         self.target = target
         self.window = config.sliding_window
         self.norms = {}
         for name in ("enorm", "hnorm"):
             self.norms[name] = DeepseekV4RMSNorm(config.hidden_size, config.rms_norm_eps)
             self.norms[name].weight.data.copy_(mtp[f"{name}.weight"])
-        self.e_proj, self.h_proj = mtp["e_proj.weight"], mtp["h_proj.weight"]
+        self.e_proj, self.h_proj = mtp["e_proj.weight"].to(dtype), mtp["h_proj.weight"].to(dtype)
 
     @torch.no_grad()
     def draft_logits(self, tokens: list[int]) -> Tensor:

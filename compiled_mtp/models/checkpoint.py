@@ -68,7 +68,7 @@ def load_model(
     reader = _Reader(sources, cfg.fp8_block_size or (128, 128), layout)
     try:
         for name, param in list(model.state_dict(keep_vars=True).items()):
-            target_dtype = _load_dtype(name, param, dtype)
+            target_dtype = _load_dtype(model, name, param, dtype)
             tensor = _materialize(param, expected[name], reader, target_dtype, device)
             _assign(model, name, tensor)
     finally:
@@ -77,12 +77,12 @@ def load_model(
     return model.eval()
 
 
-def _load_dtype(name: str, param: Tensor, dtype: torch.dtype) -> torch.dtype:
-    """Weights load in `dtype`; the routers' score biases in float32, integer tables (V4's
-    tid2eid) as they are."""
+def _load_dtype(model: CausalLM, name: str, param: Tensor, dtype: torch.dtype) -> torch.dtype:
+    """Weights load in `dtype`; those the family keeps in float32 (`float32_parameter`) in float32,
+    integer tables (V4's tid2eid) as they are."""
     if not param.is_floating_point():
         return param.dtype
-    return torch.float32 if name.endswith("e_score_correction_bias") else dtype
+    return torch.float32 if model.float32_parameter(name) else dtype
 
 
 def _index(path: Path) -> dict[str, _Source]:
@@ -275,7 +275,8 @@ def save_checkpoint(
     model: CausalLM, config: dict, path: str | Path, dtype: torch.dtype | None = None
 ) -> Path:
     """Write `model` in its family's released layout (`checkpoint_keys`: per-expert keys, the MTP
-    layers where the family keeps them).
+    layers where the family keeps them), in `dtype` if given, but for the parameters the family keeps in
+    float32 (`float32_parameter`).
 
     `config` is the HF config.json dict the model was built from. The MTP layers get the shared-head
     and embedding copies that released checkpoints carry."""
@@ -285,7 +286,7 @@ def save_checkpoint(
     state = model.state_dict()
     for name, tensor in state.items():
         keys = model.checkpoint_keys(name, tensor)
-        keep = name.endswith("e_score_correction_bias") or not tensor.is_floating_point()
+        keep = not tensor.is_floating_point() or model.float32_parameter(name)
         t = tensor if dtype is None or keep else tensor.to(dtype)
         if len(keys) > 1:
             tensors |= {key: t[e].contiguous() for e, key in enumerate(keys)}

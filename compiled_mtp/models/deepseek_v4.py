@@ -294,11 +294,12 @@ class V4Rope(Rope):
 def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Interleaved RoPE on the trailing 2 x cos.shape[-1] channels of x, keeping their layout (the
     values of V4's attention are its rotated keys, so the output projection sees this layout): pair
-    i of them rotates by angle i; the leading channels pass through."""
+    i of them rotates by angle i; the leading channels pass through. The rotation runs in float32 and is
+    cast once."""
     rd = 2 * cos.shape[-1]
-    x1, x2 = x[..., -rd::2], x[..., -rd + 1 :: 2]
+    x1, x2 = x[..., -rd::2].float(), x[..., -rd + 1 :: 2].float()
     rotated = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
-    return torch.cat([x[..., :-rd], rotated], dim=-1)
+    return torch.cat([x[..., :-rd], rotated.to(x.dtype)], dim=-1)
 
 
 class V4Context(Context):
@@ -338,6 +339,16 @@ def unit_rms(x: Tensor, eps: float) -> Tensor:
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
+class V4RMSNorm(RMSNorm):
+    """RMSNorm with a float32 weight (`DeepseekV4.float32_parameter`): it scales the float32
+    normalised input, and the product is cast to the input's dtype once, at the end."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * normed).to(x.dtype)
+
+
 class Compressor(nn.Module):
     """Pools windows of `rate` positions into one entry of `dim` numbers: a softmax over the window
     of gate logits plus a per-offset bias (`ape`) weighs the projected values, then `norm` and the
@@ -351,7 +362,7 @@ class Compressor(nn.Module):
         self.wkv = Linear(hidden, series * dim)
         self.wgate = Linear(hidden, series * dim)
         self.ape = nn.Parameter(torch.empty(rate, series * dim), requires_grad=False)
-        self.norm = RMSNorm(dim, eps)
+        self.norm = V4RMSNorm(dim, eps)
 
     @property
     def width(self) -> int:
@@ -416,10 +427,10 @@ class Attention(nn.Module):
         self.rate = cfg.compress_rate(layer_type)
         h, nh, hd, eps = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.rms_norm_eps
         self.wq_a = Linear(h, cfg.q_lora_rank)
-        self.q_norm = RMSNorm(cfg.q_lora_rank, eps)
+        self.q_norm = V4RMSNorm(cfg.q_lora_rank, eps)
         self.wq_b = Linear(cfg.q_lora_rank, nh * hd)
         self.wkv = Linear(h, hd)
-        self.norm = RMSNorm(hd, eps)
+        self.norm = V4RMSNorm(hd, eps)
         self.wo_a = Linear(nh * hd // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank)
         self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, h)
         self.attn_sink = nn.Parameter(torch.empty(nh), requires_grad=False)
@@ -464,7 +475,7 @@ def sink_attention(q: Tensor, kv: Tensor, visible: Tensor, sinks: Tensor, scale:
     """Queries q [B, T, H, D] over entries kv [B, S, D] (keys and values alike) where visible
     [B, T, S] holds, with a per-head sink logit in the softmax that takes no value -> [B, T, H, D]."""
     b, t, h, _ = q.shape
-    scores = torch.einsum("bthd,bsd->bhts", q, kv).float() * scale
+    scores = (torch.einsum("bthd,bsd->bhts", q, kv) * scale).float()
     scores = scores.masked_fill(~visible[:, None], float("-inf"))
     sink = sinks.float()[None, :, None, None].expand(b, h, t, 1)
     probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
@@ -494,9 +505,10 @@ class Gate(nn.Module):
             self.register_buffer("bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
 
     def forward(self, x: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
-        """x [N, H], tokens [N] -> (expert indices [N, k], weights [N, k] float32)."""
+        """x [N, H], tokens [N] -> (expert indices [N, k], weights [N, k] in x's dtype). Scores are
+        in x's dtype as HF's; only the selection adds the float32 bias."""
         cfg = self.cfg
-        scores = _SCORE_FUNCTIONS[cfg.scoring_func](F.linear(x.float(), self.weight.float()))
+        scores = _SCORE_FUNCTIONS[cfg.scoring_func](F.linear(x, self.weight))
         if self.hashed:
             idx = self.tid2eid[tokens]
         else:
@@ -536,9 +548,11 @@ class Experts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(e, i, h), requires_grad=False)
 
     def forward(self, x: Tensor, idx: Tensor, weights: Tensor) -> Tensor:
+        # Each expert's output is weighted in x's dtype before the k are summed, as HF does.
         gate = torch.einsum("nh,nkih->nki", x, self.w1[idx])
         up = torch.einsum("nh,nkih->nki", x, self.w3[idx])
-        return torch.einsum("nki,nkhi,nk->nh", clamped_swiglu(gate, up, self.limit), self.w2[idx], weights)
+        down = torch.einsum("nki,nkhi->nkh", clamped_swiglu(gate, up, self.limit), self.w2[idx])
+        return (down * weights[..., None]).sum(dim=1)
 
 
 class MoE(nn.Module):
@@ -551,7 +565,7 @@ class MoE(nn.Module):
     def forward(self, x: Tensor, tokens: Tensor) -> Tensor:
         flat = x.reshape(-1, x.shape[-1])
         idx, weights = self.gate(flat, tokens.reshape(-1))
-        return (self.experts(flat, idx, weights.to(x.dtype)) + self.shared_experts(flat)).view(x.shape)
+        return (self.experts(flat, idx, weights) + self.shared_experts(flat)).view(x.shape)
 
 
 # ----------------------------------------------------------------------------- hyper-connections
@@ -609,8 +623,8 @@ class Block(nn.Module):
         self.cfg = cfg
         self.attn = Attention(cfg, layer_type)
         self.ffn = MoE(cfg, hashed)
-        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn_norm = V4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.ffn_norm = V4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         rows = (2 + cfg.hc_mult) * cfg.hc_mult
         self.hc_attn_fn, self.hc_attn_base = _stream_params(cfg, rows)
         self.hc_ffn_fn, self.hc_ffn_base = _stream_params(cfg, rows)
@@ -638,9 +652,9 @@ class MTPBlock(Block):
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.e_proj = Linear(h, h)
         self.h_proj = Linear(h, h)
-        self.enorm = RMSNorm(h, eps)
-        self.hnorm = RMSNorm(h, eps)
-        self.norm = RMSNorm(h, eps)
+        self.enorm = V4RMSNorm(h, eps)
+        self.hnorm = V4RMSNorm(h, eps)
+        self.norm = V4RMSNorm(h, eps)
         self.hc_head_fn, self.hc_head_base = _stream_params(cfg, cfg.hc_mult)
         self.hc_head_scale = nn.Parameter(torch.empty(1), requires_grad=False)
 
@@ -664,7 +678,7 @@ class Backbone(nn.Module):
         self.layers = nn.ModuleList(
             Block(cfg, kind, mlp == "hash_moe") for kind, mlp in zip(cfg.layer_types, cfg.mlp_layer_types)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = V4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hc_head = HyperHead(cfg)
 
 
@@ -686,6 +700,19 @@ class DeepseekV4(CausalLM):
 
     def make_rope(self) -> Rope:
         return V4Rope(self.cfg)
+
+    def float32_parameter(self, name: str) -> bool:
+        """What V4 keeps in float32 (HF's `_keep_in_fp32_modules_strict`; DeepSeek's own code builds the
+        MTP layer's alike): every norm's weight, the hyper-connections' `hc_*` (hc_head's too),
+        the attention sinks, the compressors' position biases (`ape`) and the routers' biases."""
+        owner, _, leaf = name.rpartition(".")
+        module = self.get_submodule(owner)
+        return (
+            isinstance(module, V4RMSNorm)
+            or leaf.startswith("hc_")
+            or leaf in ("attn_sink", "ape")
+            or (isinstance(module, Gate) and leaf == "bias")
+        )
 
     def checkpoint_keys(self, name: str, param: Tensor) -> list[str]:
         """HF's save_pretrained names the head `head.weight` and each routed expert's weights

@@ -104,6 +104,11 @@ class CausalLM(nn.Module):
             return [f"{m.group(1)}.{e}.{m.group(2)}.weight" for e in range(param.shape[0])]
         return [name]
 
+    def float32_parameter(self, name: str) -> bool:
+        """Whether floating parameter `name` stays float32 whatever the model's dtype: the routers'
+        score biases, whose small differences pick the experts."""
+        return name.endswith("e_score_correction_bias")
+
     def key_layout(self, keys: Collection[str]) -> KeyLayout:
         """The layout of a checkpoint holding `keys`: the first of `layouts` whose marker is among
         them, else HF_LAYOUT."""

@@ -106,7 +106,7 @@ def tiny_config(**overrides: Any) -> DeepseekV3Config:
 
 
 @torch.no_grad()
-def _randomize_(module: torch.nn.Module, gen: torch.Generator) -> None:
+def randomize_(module: torch.nn.Module, gen: torch.Generator) -> None:
     """Overwrite every parameter and persistent buffer with well-conditioned random values.
 
     Linear weights are N(0, 1/fan_in) so activations keep unit scale; norms are U(0.5, 1.5) and
@@ -134,7 +134,7 @@ def _randomize_(module: torch.nn.Module, gen: torch.Generator) -> None:
 def _build_model(config: Any, seed: int, model_class: type = DeepseekV3ForCausalLM) -> Any:
     """The seeded fp32 target model (all weights drawn from a generator seeded with `seed`)."""
     model = model_class(config).eval()
-    _randomize_(model, torch.Generator().manual_seed(seed))
+    randomize_(model, torch.Generator().manual_seed(seed))
     return model
 
 
@@ -186,7 +186,7 @@ def _random_mtp_state(
     state: dict[str, Tensor] = {}
     for i in range(num_mtp_layers):
         block = layer_class(config.get_mtp_config(), layer_idx=0)
-        _randomize_(block, gen)
+        randomize_(block, gen)
         norms = {n: torch.rand(hidden, generator=gen) + 0.5 for n in ("enorm", "hnorm", "shared_head.norm")}
         eh_proj = torch.randn(hidden, 2 * hidden, generator=gen) / math.sqrt(2 * hidden)
         state |= _mtp_layer_state(model, block.state_dict(), norms, eh_proj, config.num_hidden_layers + i)

@@ -1,4 +1,5 @@
-"""The static-shape DeepSeek-V3 model against HF transformers, on hypothesis-drawn tiny configs."""
+"""The static-shape DeepSeek-V3 model against HF transformers, on hypothesis-drawn tiny configs, and the
+MTP layer's one-row-per-request forward against its whole-block forward (DeepSeek-V3 and GLM-4 MoE)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,15 @@ import tempfile
 
 import torch
 from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
+from compiled_mtp.graphs.metadata import cache_rows
 from compiled_mtp.hf_baseline import load_hf
 from compiled_mtp.models.checkpoint import load_model
-from tests.checkpoints import write_checkpoint
+from compiled_mtp.models.layers import gather_rows
+from compiled_mtp.models.registry import family_of
+from tests.checkpoints import randomize_, write_checkpoint
+from tests.glm_factory import glm_config_strategy
 from tests.oracle import hf_logits, hf_mtp_draft_logits
 from tests.strategies import FULL_FEATURED_CONFIGS, config_strategy
 
@@ -75,3 +81,48 @@ def test_moe_gathered_and_masked_experts_agree(tiny_checkpoint):
     torch.testing.assert_close(
         moe.experts.gathered(x, idx, weights), moe.experts.masked(x, idx, weights), atol=1e-5, rtol=1e-5
     )
+
+
+@st.composite
+def mtp_blocks(draw: st.DrawFn) -> dict:
+    """A tiny DeepSeek-V3 or GLM-4 MoE config and an MTP block on it: B requests of T rows in
+    distinct slots at drawn positions, some rows writing only the scratch slot (as a prefill chunk's
+    padding or a catch-up's rows that are not behind do), and one drawn row per request."""
+    config = draw(st.one_of(config_strategy(), glm_config_strategy()))
+    batch, length = draw(st.integers(1, 3)), draw(st.integers(1, 6))
+    return dict(
+        config=config,
+        seed=draw(st.integers(0, 2**16)),
+        slots=draw(st.permutations(range(batch))),
+        starts=draw(st.lists(st.integers(0, 10), min_size=batch, max_size=batch)),
+        writes=draw(st.lists(st.booleans(), min_size=batch * length, max_size=batch * length)),
+        rows=draw(st.lists(st.integers(0, length - 1), min_size=batch, max_size=batch)),
+        length=length,
+    )
+
+
+@given(mtp_blocks())
+@torch.no_grad()
+def test_mtp_rows_equal_the_whole_block_and_write_the_same_cache(block):
+    """forward_mtp_rows: every row's cache entry, bit for bit as forward_mtp writes it, and the drawn
+    rows' hiddens as forward_mtp's (fp32: the one-row products may sum in another order)."""
+    raw = block["config"].to_dict()
+    family = family_of(raw)
+    model = family.model(family.config.from_dict(raw)).eval()
+    gen = torch.Generator().manual_seed(block["seed"])
+    randomize_(model, gen)
+    batch, length, capacity = len(block["slots"]), block["length"], 16
+    slots = torch.tensor(block["slots"])
+    positions = torch.tensor(block["starts"])[:, None] + torch.arange(length)
+    valid = torch.tensor(block["writes"]).view(batch, length)
+    positions, write = cache_rows(slots, positions, capacity, batch, valid)
+    tokens = torch.randint(model.cfg.vocab_size, (batch, length), generator=gen)
+    hidden = torch.randn(batch, length, model.hidden_width, generator=gen)
+    rows = torch.tensor(block["rows"])
+    # Earlier positions hold entries already, so the rows attend over more than their own block.
+    cache = torch.randn(model.num_mtp_layers, batch + 1, capacity, model.cache_layout.width, generator=gen)
+    whole_cache, rows_cache = cache.clone(), cache.clone()
+    whole = model.forward_mtp(0, tokens, hidden, positions, write, slots, whole_cache)
+    got = model.forward_mtp_rows(0, tokens, hidden, positions, write, slots, rows_cache, rows)
+    torch.testing.assert_close(got, gather_rows(whole, rows), atol=ATOL, rtol=RTOL)
+    assert torch.equal(rows_cache, whole_cache)

@@ -330,11 +330,12 @@ def test_narrow_linear_sends_large_weights_on_2_to_4_rows_to_the_kernel(
 
 @pytest.mark.parametrize(
     "kind,b,k,layers",
-    [("target_verify", 1, 3, 1), ("draft_extend", 2, 2, 1), ("draft_decode", 2, 3, 2), ("prefill", 1, 0, 2)],
+    [("target_verify", 1, 3, 1), ("draft_extend", 2, 2, 1), ("draft_decode", 2, 3, 2), ("prefill", 1, 0, 1)],
 )
 def test_group_experts_replaces_each_moe_layers_gathered_products(model, state, kind, b, k, layers):
-    """One op per MoE layer run by the graph (the tiny target has one, M's layer runs once per draft
-    step and once in prefill); each replaces the three weight gathers and their products."""
+    """One op per MoE layer run by the graph on 2 rows or more (the tiny target has one, M's layer runs
+    once per draft step and once in draft_extend, on one row per request; prefill's one row of M stays
+    with Inductor); each replaces the three weight gathers and their products."""
     before, after = _graphs(kind, b, k, model, state, ("group_experts",))
     assert _count(before, ROUTED_EXPERTS) == 0 and _count(after, ROUTED_EXPERTS) == layers
     assert _count(before, aten.index.Tensor) - _count(after, aten.index.Tensor) == 3 * layers

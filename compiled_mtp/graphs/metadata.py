@@ -28,10 +28,3 @@ def cache_rows(
     rows = torch.arange(positions.shape[1], device=positions.device) % capacity
     write = torch.where(ok, slots[:, None] * capacity + positions, scratch_slot * capacity + rows)
     return positions.clamp(max=capacity - 1), write
-
-
-def gather_rows(x: Tensor, index: Tensor) -> Tensor:
-    """x [B, T, ...], index [B] -> x[b, index[b]] as [B, ...]."""
-    shape = (x.shape[0], 1) + x.shape[2:]
-    idx = index.view(-1, *([1] * (x.dim() - 1))).expand(shape)
-    return x.gather(1, idx).squeeze(1)

@@ -13,7 +13,8 @@ import torch
 from torch import Tensor
 
 from ..models.family import CausalLM
-from .metadata import block_positions, cache_rows, gather_rows
+from ..models.layers import gather_rows
+from .metadata import block_positions, cache_rows
 from .sampling import draft_sample, processed_probs, sample_from_probs, verify_sample
 from .state import StaticState
 
@@ -56,8 +57,8 @@ def prefill(
     state.last_token[slot] = first
     if state.mtp_cache.shape[0]:
         m_tokens = torch.where(positions == prompt_len[:, None] - 1, first[:, None], next_tokens)
-        m = model.forward_mtp(0, m_tokens, h, positions, write, slot, state.mtp_cache)
-        _draft_from(model, state, slot, gather_rows(m, last_row), noise[:, 1])
+        m = model.forward_mtp_rows(0, m_tokens, h, positions, write, slot, state.mtp_cache, last_row)
+        _draft_from(model, state, slot, m, noise[:, 1])
     return first
 
 
@@ -130,8 +131,8 @@ def draft_extend(
     M's cache there (rows past `accepted` carry filler, overwritten later) and drafts the next d_1
     from row `accepted`. seq_lens are the lengths before the verify; noise [B, 1]."""
     positions, write = _rows(state, slots, block_positions(seq_lens - 1, committed.shape[1]))
-    m = model.forward_mtp(0, committed, hidden, positions, write, slots, state.mtp_cache)
-    _draft_from(model, state, slots, gather_rows(m, accepted), noise[:, 0])
+    m = model.forward_mtp_rows(0, committed, hidden, positions, write, slots, state.mtp_cache, accepted)
+    _draft_from(model, state, slots, m, noise[:, 0])
 
 
 def mtp_catch_up(
@@ -153,6 +154,7 @@ def mtp_catch_up(
     behind = positions >= (seq_lens - 1 - lags)[:, None]
     positions, write = _rows(state, slots, positions.clamp(min=0), behind)
     hidden = state.lag_hidden[slots[:, None], positions % w]
-    m = model.forward_mtp(0, tokens, hidden, positions, write, slots, state.mtp_cache)
-    last = torch.where((lags > 0)[:, None], m[:, -1], state.mtp_hidden[slots])
+    last_row = torch.full_like(lags, w - 1)
+    m = model.forward_mtp_rows(0, tokens, hidden, positions, write, slots, state.mtp_cache, last_row)
+    last = torch.where((lags > 0)[:, None], m, state.mtp_hidden[slots])
     _draft_from(model, state, slots, last, noise[:, 0])

@@ -8,12 +8,13 @@ the checkpoint, and uses MoE whenever the model has routed experts.
 from __future__ import annotations
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from .config import ModelConfig
 from .family import CausalLM
 from .layers import (
     MLP,
+    Attention,
     Backbone,
     Context,
     Experts,
@@ -38,7 +39,7 @@ __all__ = [
 ]
 
 
-class MLA(nn.Module):
+class MLA(Attention):
     """Multi-head latent attention over a cache of (kv latent, rope key) per token.
 
     Attention runs in the absorbed form: q_nope is projected into the latent space through kv_b_proj's
@@ -60,7 +61,14 @@ class MLA(nn.Module):
         self.kv_b_proj = Linear(cfg.kv_lora_rank, nh * (cfg.qk_nope_head_dim + cfg.v_head_dim))
         self.o_proj = Linear(nh * cfg.v_head_dim, h, cfg.attention_bias)
 
-    def forward(self, x: Tensor, ctx: Context, layer: int) -> Tensor:
+    def entries(self, x: Tensor, ctx: Context) -> Tensor:
+        """Each row's normed kv latent and rotated rope key, [B, T, r + dr]."""
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split(
+            [self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim], dim=-1
+        )
+        return torch.cat([self.kv_a_layernorm(latent), ctx.rope(k_pe, ctx.cos, ctx.sin)], dim=-1)
+
+    def attend(self, x: Tensor, ctx: Context, kv: Tensor) -> Tensor:
         cfg = self.cfg
         b, t, _ = x.shape
         nh, dn, dr, dv, r = (
@@ -73,9 +81,6 @@ class MLA(nn.Module):
         q = self.q_proj(x) if cfg.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q_nope, q_pe = q.view(b, t, nh, cfg.qk_head_dim).split([dn, dr], dim=-1)
         q_pe = ctx.rope(q_pe, ctx.cos[:, :, None], ctx.sin[:, :, None])
-        latent, k_pe = self.kv_a_proj_with_mqa(x).split([r, dr], dim=-1)
-        entry = torch.cat([self.kv_a_layernorm(latent), ctx.rope(k_pe, ctx.cos, ctx.sin)], dim=-1)
-        kv = ctx.store_and_read(layer, entry)  # [B, S, r + dr]
         w = self.kv_b_proj.weight.view(nh, dn + dv, r)
         q_latent = torch.einsum("bthd,hdr->bthr", q_nope, w[:, :dn])
         out_latent = latent_attention(q_latent, q_pe, kv, ctx.visible, cfg.softmax_scale)

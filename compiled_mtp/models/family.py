@@ -1,11 +1,12 @@
 """The interface between a model family and the engine.
 
 The graphs (graphs/steps.py), StaticState, the reference loop, Runtime and the CLI see a model only
-through `CausalLM`: `forward_target` and `forward_mtp` over explicit positions, write indices and
-slots, `logits` / `draft_logits`, `new_cache` (the family's `RowCache` layout), `num_mtp_layers` and
-`hidden_width`. A family module (deepseek_v3.py, glm4_moe.py, deepseek_v4.py) subclasses it with its
-backbone (attention, blocks) and config, and registers a `Family` in registry.py: its config class,
-its model class and its checkpoint's key names. Nothing outside `models/` names a family.
+through `CausalLM`: `forward_target` and `forward_mtp` (`forward_mtp_rows` where one row per request
+is used) over explicit positions, write indices and slots, `logits` / `draft_logits`, `new_cache`
+(the family's `RowCache` layout), `num_mtp_layers` and `hidden_width`. A family module
+(deepseek_v3.py, glm4_moe.py, deepseek_v4.py) subclasses it with its backbone (attention, blocks)
+and config, and registers a `Family` in registry.py: its config class, its model class and its
+checkpoint's key names. Nothing outside `models/` names a family.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 from torch import Tensor, nn
 
-from .layers import Context, Linear, Rope, RowCache
+from .layers import Context, Linear, MTPLayer, Rope, RowCache, gather_rows
 
 # Stacked routed experts (one [E, ...] parameter) come from per-expert checkpoint keys.
 STACKED_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(gate_proj|up_proj|down_proj)$")
@@ -195,6 +196,28 @@ class CausalLM(nn.Module):
         from positions. Returns its post-shared_head.norm hiddens; `cache` is the MTP cache."""
         ctx = self.context(positions, write_index, slots, cache)
         return self.mtp_layer(layer)(self.model.embed_tokens(tokens), hidden, ctx, layer)
+
+    def forward_mtp_rows(
+        self,
+        layer: int,
+        tokens: Tensor,
+        hidden: Tensor,
+        positions: Tensor,
+        write_index: Tensor,
+        slots: Tensor,
+        cache: Tensor,
+        rows: Tensor,
+    ) -> Tensor:
+        """forward_mtp's hidden at row rows[b] of each request b only, [B, H], though every row of the
+        block writes its cache entry. The shared MTP layer (layers.MTPLayer) runs past its cache
+        entries on those rows alone; another family's layer runs on the whole block."""
+        mtp = self.mtp_layer(layer)
+        if not isinstance(mtp, MTPLayer):
+            return gather_rows(
+                self.forward_mtp(layer, tokens, hidden, positions, write_index, slots, cache), rows
+            )
+        ctx = self.context(positions, write_index, slots, cache)
+        return mtp(self.model.embed_tokens(tokens), hidden, ctx, layer, rows)
 
     def mtp_layer(self, layer: int) -> nn.Module:
         """MTP layer `layer`'s module: for DeepSeek-V3 and GLM-4 MoE model.layers[num_hidden_layers + layer]."""

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from .config import (
     CheckpointError,
@@ -31,7 +31,7 @@ from .config import (
     reading,
 )
 from .family import CausalLM
-from .layers import Backbone, Context, Linear, RMSNorm, Rope
+from .layers import Attention, Backbone, Context, Linear, RMSNorm, Rope
 
 
 @dataclass(frozen=True)
@@ -145,7 +145,7 @@ class Glm4MoeConfig:
         check_router(source, self.n_routed_experts, self.n_group, self.topk_group, self.num_experts_per_tok)
 
 
-class GQA(nn.Module):
+class GQA(Attention):
     """Grouped-query attention: num_attention_heads query heads share num_key_value_heads K/V heads."""
 
     def __init__(self, cfg: Glm4MoeConfig) -> None:
@@ -160,20 +160,24 @@ class GQA(nn.Module):
             self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
 
-    def forward(self, x: Tensor, ctx: Context, layer: int) -> Tensor:
-        cfg = self.cfg
+    def entries(self, x: Tensor, ctx: Context) -> Tensor:
+        """Each row's rotated keys and values of every KV head, [B, T, 2 * nkv * hd]."""
         b, t, _ = x.shape
-        nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        q = self.q_proj(x).view(b, t, nh, hd)
+        nkv, hd = self.cfg.num_key_value_heads, self.cfg.head_dim
         k = self.k_proj(x).view(b, t, nkv, hd)
         v = self.v_proj(x).view(b, t, nkv, hd)
-        if cfg.use_qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = self._rotate(q, ctx.rope, ctx.cos[:, :, None], ctx.sin[:, :, None])
+        if self.cfg.use_qk_norm:
+            k = self.k_norm(k)
         k = self._rotate(k, ctx.rope, ctx.cos[:, :, None], ctx.sin[:, :, None])
-        kv = ctx.store_and_read(
-            layer, torch.cat([k.flatten(2), v.flatten(2)], dim=-1)
-        )  # [B, S, 2 * nkv * hd]
+        return torch.cat([k.flatten(2), v.flatten(2)], dim=-1)
+
+    def attend(self, x: Tensor, ctx: Context, kv: Tensor) -> Tensor:
+        b, t, _ = x.shape
+        nh, hd = self.cfg.num_attention_heads, self.cfg.head_dim
+        q = self.q_proj(x).view(b, t, nh, hd)
+        if self.cfg.use_qk_norm:
+            q = self.q_norm(q)
+        q = self._rotate(q, ctx.rope, ctx.cos[:, :, None], ctx.sin[:, :, None])
         out = kv_attention(q, kv, ctx.visible, hd**-0.5)
         return self.o_proj(out.reshape(b, t, nh * hd))
 

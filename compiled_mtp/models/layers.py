@@ -10,6 +10,7 @@ tensor values. The fixed-shape experts (`gathered_experts`) are found by name by
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 from typing import Any
@@ -225,10 +226,27 @@ class MoE(nn.Module):
         return out.view(shape)
 
 
+class Attention(nn.Module):
+    """A family's attention, split at the cache: `entries` gives what each row writes to the cache,
+    `attend` each row's output from the entries its slot holds. An MTP layer writes the entries of
+    every row of a block but attends from the rows whose output is used only."""
+
+    def forward(self, x: Tensor, ctx: Context, layer: int) -> Tensor:
+        return self.attend(x, ctx, ctx.store_and_read(layer, self.entries(x, ctx)))
+
+    def entries(self, x: Tensor, ctx: Context) -> Tensor:
+        """The rows' cache entries [B, T, D] from the normed input x [B, T, H]."""
+        raise NotImplementedError
+
+    def attend(self, x: Tensor, ctx: Context, kv: Tensor) -> Tensor:
+        """The rows' attention output [B, T, H] over their slots' cache entries kv [B, S, D]."""
+        raise NotImplementedError
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)). `attention` is the family's."""
 
-    def __init__(self, cfg: Any, attention: nn.Module, moe: bool) -> None:
+    def __init__(self, cfg: Any, attention: Attention, moe: bool) -> None:
         super().__init__()
         self.self_attn = attention
         self.mlp = MoE(cfg) if moe else MLP(cfg.hidden_size, cfg.intermediate_size)
@@ -251,16 +269,32 @@ class SharedHead(nn.Module):
 class MTPLayer(DecoderLayer):
     """h' = shared_head.norm(block(eh_proj(cat[enorm(embed(token)), hnorm(h)])))."""
 
-    def __init__(self, cfg: Any, attention: nn.Module, moe: bool) -> None:
+    def __init__(self, cfg: Any, attention: Attention, moe: bool) -> None:
         super().__init__(cfg, attention, moe)
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.eh_proj = Linear(2 * cfg.hidden_size, cfg.hidden_size)
         self.shared_head = SharedHead(cfg)
 
-    def forward(self, embeds: Tensor, hidden: Tensor, ctx: Context, layer: int) -> Tensor:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        self, embeds: Tensor, hidden: Tensor, ctx: Context, layer: int, rows: Tensor | None = None
+    ) -> Tensor:
+        """h' for every row of the [B, T] block, [B, T, H]; with `rows` ([B] long) for row rows[b] of
+        each request only, [B, H], though every row still writes its cache entry."""
         x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
-        return self.shared_head.norm(super().forward(x, ctx, layer))
+        if rows is None:
+            return self.shared_head.norm(super().forward(x, ctx, layer))
+        return self.shared_head.norm(self._block_at(x, ctx, layer, rows))
+
+    def _block_at(self, x: Tensor, ctx: Context, layer: int, rows: Tensor) -> Tensor:
+        """The block's output at rows[b] of each request, [B, H], after writing every row's cache
+        entry. A catch-up or extend block uses one row of its 16 or K + 1 and a prefill chunk one of
+        64, so the query, attention, MLP and norms run on that row alone."""
+        normed = self.input_layernorm(x)
+        kv = ctx.store_and_read(layer, self.self_attn.entries(normed, ctx))
+        x = gather_rows(x, rows)[:, None]
+        x = x + self.self_attn.attend(gather_rows(normed, rows)[:, None], ctx.at(rows), kv)
+        return (x + self.mlp(self.post_attention_layernorm(x)))[:, 0]
 
 
 class RowCache:
@@ -330,12 +364,21 @@ class Context:
             self.cache, layer, entry, self.write_slot, self.write_position, self.slots
         )
 
+    def at(self, rows: Tensor) -> Context:
+        """This context at row rows[b] of each request b, as a [B, 1] block: those rows' rope angles
+        and visibility. For attending only: the whole block's entries are written through `self`."""
+        row = copy.copy(self)
+        row.cos, row.sin, row.visible = (
+            gather_rows(t, rows)[:, None] for t in (self.cos, self.sin, self.visible)
+        )
+        return row
+
 
 class Backbone(nn.Module):
     """Embedding, the target's layers, then the MTP layers (`model.layers[num_hidden_layers + i]`, as
     checkpoints number them), and the final norm. `attention()` builds one layer's attention."""
 
-    def __init__(self, cfg: Any, attention: Callable[[], nn.Module], mtp_moe: bool) -> None:
+    def __init__(self, cfg: Any, attention: Callable[[], Attention], mtp_moe: bool) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(
             cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
@@ -345,3 +388,10 @@ class Backbone(nn.Module):
         mtp = [MTPLayer(cfg, attention(), mtp_moe) for _ in range(cfg.num_nextn_predict_layers)]
         self.layers = nn.ModuleList([*target, *mtp])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+def gather_rows(x: Tensor, index: Tensor) -> Tensor:
+    """x [B, T, ...], index [B] -> x[b, index[b]] as [B, ...]."""
+    shape = (x.shape[0], 1) + x.shape[2:]
+    idx = index.view(-1, *([1] * (x.dim() - 1))).expand(shape)
+    return x.gather(1, idx).squeeze(1)

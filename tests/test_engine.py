@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from compiled_mtp import Runtime, SamplingParams
+from compiled_mtp.graphs.state import LAG_WINDOW
 from compiled_mtp.models.checkpoint import load_model
 from compiled_mtp.reference import reference_generate
 from tests.checkpoints import write_echo_checkpoint
@@ -250,7 +251,7 @@ def assert_padded_rows_write_only_scratch(model) -> None:
 
 
 def test_catch_up_in_a_cache_shorter_than_its_window(noisy_echo):
-    """max_seq_len 12, below the catch-up's window of 16 positions: its rows that run nowhere write
+    """max_seq_len 12, below the catch-up's window of LAG_WINDOW positions: its rows that run nowhere write
     scratch positions inside the cache (they ran past the scratch slot's end)."""
     rt = runtime(noisy_echo, 0, buckets=(1,), max_seq_len=12, mtp_depths=(0, 1))
     rt.add_request([5, 6, 7], SamplingParams(max_new_tokens=8, ignore_eos=True))
@@ -478,11 +479,13 @@ def test_draft_state_stays_current_through_depth_zero(model_name, request):
     the drafts and their acceptance, are those of a run that never left K = 1."""
     model = request.getfixturevalue(model_name)
     prompts = prompts_for(model.cfg.vocab_size, [6, 9, 4], seed=11)
-    joins = {0: 0, 1: 12, 2: 23}
-    never_left = _run_schedule(model, lambda step: 1, joins, prompts)
-    switched = _run_schedule(model, lambda step: 0 if 2 <= step < 23 else 1, joins, prompts)
+    back = 2 + LAG_WINDOW + 5  # the step that returns to K = 1
+    joins = {0: 0, 1: back // 2, 2: back}
+    new = back + 20
+    never_left = _run_schedule(model, lambda step: 1, joins, prompts, new)
+    switched = _run_schedule(model, lambda step: 0 if 2 <= step < back else 1, joins, prompts, new)
     assert switched[0] == never_left[0]  # greedy
-    after = {key: a for key, a in switched[1].items() if key[1] > len(prompts[key[0]]) + 22}
+    after = {key: a for key, a in switched[1].items() if key[1] > len(prompts[key[0]]) + back - 1}
     common = after.keys() & never_left[1].keys()
     assert len(common) >= 5 and {key: after[key] for key in common} == {
         key: never_left[1][key] for key in common

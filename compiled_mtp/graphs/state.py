@@ -13,8 +13,10 @@ from torch import Tensor, nn
 from ..models.family import CausalLM
 
 # Depth-0 steps M may fall behind before it catches up: one M pass over this many rows per that many
-# tokens, against one M pass per token if it kept up every step.
-LAG_WINDOW = 16
+# tokens, against one M pass per token if it kept up every step. The pass writes every row's cache
+# entry but runs the layer past them on the last row only, so its cost is mostly the call's own: a
+# longer window spreads it over more steps (benchmarks/README.md, "Auto at B = 4").
+LAG_WINDOW = 32
 
 
 class StaticState(nn.Module):

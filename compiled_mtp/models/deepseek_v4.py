@@ -55,7 +55,7 @@ from .config import (
     rope_config,
 )
 from .family import CausalLM, KeyLayout
-from .layers import Context, Linear, RMSNorm, Rope, RowCache
+from .layers import Context, Linear, RMSNorm, Rope, RowCache, gather_rows
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 _RATIO_LAYER_TYPE = {0: SLIDING, 4: CSA, 128: HCA}  # the released configs' `compress_ratios`
@@ -773,6 +773,22 @@ class DeepseekV4(CausalLM):
         ctx = self._context(tokens, positions, write_index, slots, cache)
         mtp = self.mtp_layer(layer)
         return mtp(self.model.embed_tokens(tokens), self._streams(hidden), ctx, layer).flatten(2)
+
+    def forward_mtp_rows(
+        self,
+        layer: int,
+        tokens: Tensor,
+        hidden: Tensor,
+        positions: Tensor,
+        write_index: Tensor,
+        slots: Tensor,
+        cache: Tensor,
+        rows: Tensor,
+    ) -> Tensor:
+        """M over the whole block, then row rows[b] of each request: the V4 block is not split at its
+        cache entries."""
+        m = self.forward_mtp(layer, tokens, hidden, positions, write_index, slots, cache)
+        return gather_rows(m, rows)
 
     def mtp_layer(self, layer: int) -> MTPBlock:
         mtp = self.mtp[layer]

@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 from torch import Tensor, nn
 
-from .layers import Context, Linear, MTPLayer, Rope, RowCache, gather_rows
+from .layers import Context, Linear, Rope, RowCache
 
 # Stacked routed experts (one [E, ...] parameter) come from per-expert checkpoint keys.
 STACKED_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(gate_proj|up_proj|down_proj)$")
@@ -209,15 +209,10 @@ class CausalLM(nn.Module):
         rows: Tensor,
     ) -> Tensor:
         """forward_mtp's hidden at row rows[b] of each request b only, [B, H], though every row of the
-        block writes its cache entry. The shared MTP layer (layers.MTPLayer) runs past its cache
-        entries on those rows alone; another family's layer runs on the whole block."""
-        mtp = self.mtp_layer(layer)
-        if not isinstance(mtp, MTPLayer):
-            return gather_rows(
-                self.forward_mtp(layer, tokens, hidden, positions, write_index, slots, cache), rows
-            )
+        block writes its cache entry: the shared MTP layer (layers.MTPLayer) runs past its cache
+        entries on those rows alone. A family with a layer of its own overrides it."""
         ctx = self.context(positions, write_index, slots, cache)
-        return mtp(self.model.embed_tokens(tokens), hidden, ctx, layer, rows)
+        return self.mtp_layer(layer)(self.model.embed_tokens(tokens), hidden, ctx, layer, rows)
 
     def mtp_layer(self, layer: int) -> nn.Module:
         """MTP layer `layer`'s module: for DeepSeek-V3 and GLM-4 MoE model.layers[num_hidden_layers + layer]."""

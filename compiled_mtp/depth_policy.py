@@ -11,7 +11,10 @@ the runtime's history (accepted over proposed at each position, smoothed towards
 cost(bucket, K) is a moving average of the wall time of the decode steps the runtime ran with that key,
 the first one left out (it compiles or loads the graphs). A key never run is tried before any choice
 is made from the others, so every cost is measured, never typed in. The depth changes only when
-another's value beats the current one's by `margin` (hysteresis).
+another's value beats the current one's by `margin` (hysteresis): a near tie is within the noise of
+the estimates, and a change costs more than the steps it is timed on (leaving depth 0 first runs the
+MTP catch-up; requests of a batch drafting at K > 0 finish at different steps, and the last of them
+run a bucket's steps for fewer rows).
 """
 
 from __future__ import annotations
@@ -25,11 +28,16 @@ Key = tuple[int, int]  # (bucket, depth)
 
 def expected_tokens(rates: Sequence[float], depth: int) -> float:
     """Expected tokens a step at `depth` commits, for conditional acceptance rates per position."""
-    total, reach = 1.0, 1.0
+    return _expected_by_depth(rates, depth)[depth]
+
+
+def _expected_by_depth(rates: Sequence[float], depth: int) -> list[float]:
+    """expected_tokens(rates, k) for every k in 0..depth, in one pass."""
+    out, reach = [1.0], 1.0
     for rate in rates[:depth]:
         reach *= rate
-        total += reach
-    return total
+        out.append(out[-1] + reach)
+    return out + [out[-1]] * (depth + 1 - len(out))
 
 
 class DepthPolicy:
@@ -41,7 +49,7 @@ class DepthPolicy:
         *,
         request_alpha: float = 0.3,
         cost_alpha: float = 0.2,
-        margin: float = 0.03,
+        margin: float = 0.05,
     ) -> None:
         self.depths = tuple(sorted(depths))
         self.request_alpha = request_alpha
@@ -84,8 +92,9 @@ class DepthPolicy:
         untried = [k for k in self.depths if (bucket, k) not in self._cost]
         if untried:
             return untried[0]
+        expected = [_expected_by_depth(r, self.depths[-1]) for r in rates]
         value = {
-            k: sum(min(expected_tokens(r, k), n) for r, n in zip(rates, remaining)) / self._cost[bucket, k]
+            k: sum(min(e[k], n) for e, n in zip(expected, remaining)) / self._cost[bucket, k]
             for k in self.depths
         }
         best = max(self.depths, key=lambda k: value[k])

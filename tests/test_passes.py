@@ -27,8 +27,8 @@ from compiled_mtp.passes.region import Unfusable, one_agreeing
 
 FEW_ROWS = torch.ops.compiled_mtp.few_row_linear.default
 FUSED = torch.ops.compiled_mtp.verify_sample.default
-DRAFT_FUSED = torch.ops.compiled_mtp.draft_sample.default
 ROUTED_EXPERTS = torch.ops.compiled_mtp.routed_experts.default
+DRAFT_FUSED = REGISTRY["fuse_draft_sampling"].op  # greedy_draft_sample where the C++ ops build
 LIVE_ATTENTION = torch.ops.compiled_mtp.live_attention.default
 
 aten = torch.ops.aten

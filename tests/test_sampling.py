@@ -489,8 +489,11 @@ def test_fused_draft_op_gives_the_traced_drafts(case):
     for spare in (kernel.SPARE_BUCKETS, 0, -3):
         with mock.patch.object(kernel, "SPARE_BUCKETS", spare):
             got_tokens, got_q = draft_kernel.draft_sample(*args)
-        assert torch.equal(tokens, got_tokens), spare
+            # the C++ op hands a batch that is not all greedy to the one above, and takes the rest itself
+            native_tokens, native_q = torch.ops.compiled_mtp.greedy_draft_sample(*args)
+        assert torch.equal(tokens, got_tokens) and torch.equal(tokens, native_tokens), spare
         torch.testing.assert_close(got_q, q, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(native_q, q, rtol=1e-5, atol=1e-6)
 
 
 @st.composite
@@ -547,8 +550,10 @@ def test_greedy_batches_take_the_cpp_path_with_the_traced_tokens(case):
         assert greedy_verify(logits, temperature, drafts, q, noise) is not None
         expected, got = verify_sample(*args), kernel.verify_sample(*args)
         (tokens, q), (got_tokens, got_q) = draft_sample(*draft_args), draft_kernel.draft_sample(*draft_args)
+        native_tokens, native_q = torch.ops.compiled_mtp.greedy_draft_sample(*draft_args)
     assert torch.equal(expected[0], got[0]) and torch.equal(expected[1], got[1])
     assert torch.equal(tokens, got_tokens) and torch.equal(q, got_q)
+    assert torch.equal(tokens, native_tokens) and torch.equal(q, native_q)
 
 
 def test_greedy_path_leaves_sampled_batches_and_other_dtypes_to_the_general_path():

@@ -4,7 +4,10 @@ draft_extend samples one draft per request and draft_decode one per step, each t
 `graphs.sampling.draft_sample`: softmax, argmax and one-hot rows, a stable sort of the whole
 vocabulary, cumsums and scatters. The sort alone took 12.6 ms for one row of a 129280-token
 vocabulary, as long as the LM head; the op (ops/draft_sample.py) sorts only where top-k/top-p
-need it. Each call is found by provenance (region.py), one connected region per call, with exactly the
+need it. Where the C++ ops build, the call is `compiled_mtp::greedy_draft_sample`
+(ops/csrc/greedy_sample.cpp), which keeps a batch of greedy requests in C++ and hands any other
+batch to that op: from a captured graph, a call into Python cost more than a greedy draft's
+argmax. Each call is found by provenance (region.py), one connected region per call, with exactly the
 function's inputs and outputs. The region and the op run
 on seeded probe inputs first, under each way of assigning the three [B] float inputs (temperature,
 top_p, the uniform); the region is replaced only where exactly one assignment reproduces its tokens
@@ -20,6 +23,7 @@ from torch import fx
 
 from ..graphs.sampling import draft_sample
 from ..ops import draft_sample as op_module
+from ..ops import library
 from . import probes
 from .probes import probe_logits, probe_params, probe_rounds
 from .region import Region, RegionPass, by_signature, one_agreeing
@@ -32,6 +36,17 @@ class FuseDraftSampling(RegionPass):
     op_name = "draft_sample"
     arity = (5, 2)
     modules = (op_module, probes)
+
+    @property
+    def op(self) -> torch._ops.OpOverload:
+        native = library.load()
+        return (
+            torch.ops.compiled_mtp.greedy_draft_sample if native else torch.ops.compiled_mtp.draft_sample
+        ).default
+
+    @property
+    def settings(self) -> tuple:  # which op, and the C++ kernels' version
+        return (library.version() if library.load() else None,)
 
     def roles(
         self, region: set[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]

@@ -7,6 +7,9 @@
 // request is sampled or a draft is out of the vocabulary: the caller then takes its general path.
 #include "ops.h"
 
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/zeros.h>
+
 namespace compiled_mtp {
 namespace {
 constexpr int64_t BLOCK = 512;         // a block's maximum is found with vectors, its index only if it leads
@@ -41,16 +44,9 @@ static Top first_max(const float* x, int64_t n) {
     return top;
 }
 
-void kernel(const float* logits, const float* temperature, const int64_t* drafts, const float* draft_probs,
-                       const float* noise, int64_t* num_accepted, int64_t* tokens, int64_t* done, int64_t batch,
-                       int64_t steps, int64_t vocab, int64_t q_batch_stride, int64_t q_step_stride, int64_t q_vocab_stride,
-                       int64_t threads) {
-    const int64_t k = steps - 1, rows = batch * steps;
-    done[0] = 0;
-    for (int64_t b = 0; b < batch; b++) {
-        if (!(temperature[b] <= 0.f)) return;  // a sampled request: the caller takes the general path
-        for (int64_t i = 0; i < k; i++) if (drafts[b * k + i] < 0 || drafts[b * k + i] >= vocab) return;
-    }
+// Each row's first maximum; rows, and parts of a row when there are fewer rows than threads, split
+// over the threads.
+static std::vector<int64_t> row_argmax(const float* logits, int64_t rows, int64_t vocab, int64_t threads) {
     // Each row in `splits` parts, so that every thread has one when rows are fewer than threads.
     const int64_t splits = std::max<int64_t>(1, std::min((threads + rows - 1) / rows, vocab / MIN_SPLIT));
     const int64_t part = (vocab + splits - 1) / splits;
@@ -67,6 +63,20 @@ void kernel(const float* logits, const float* temperature, const int64_t* drafts
         for (int64_t s = 1; s < splits; s++) if (above(tops[row * splits + s].value, top.value)) top = tops[row * splits + s];
         argmax[row] = top.index;
     }
+    return argmax;
+}
+
+void kernel(const float* logits, const float* temperature, const int64_t* drafts, const float* draft_probs,
+                       const float* noise, int64_t* num_accepted, int64_t* tokens, int64_t* done, int64_t batch,
+                       int64_t steps, int64_t vocab, int64_t q_batch_stride, int64_t q_step_stride, int64_t q_vocab_stride,
+                       int64_t threads) {
+    const int64_t k = steps - 1, rows = batch * steps;
+    done[0] = 0;
+    for (int64_t b = 0; b < batch; b++) {
+        if (!(temperature[b] <= 0.f)) return;  // a sampled request: the caller takes the general path
+        for (int64_t i = 0; i < k; i++) if (drafts[b * k + i] < 0 || drafts[b * k + i] >= vocab) return;
+    }
+    const std::vector<int64_t> argmax = row_argmax(logits, rows, vocab, threads);
     for (int64_t b = 0; b < batch; b++) {
         int64_t a = 0;
         while (a < k) {
@@ -113,9 +123,49 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> greedy_sample_meta(const at::Tens
     return {at::empty({logits.size(0)}, drafts.options()), at::empty({logits.size(0), logits.size(1)}, drafts.options()), at::empty({1}, drafts.options())};
 }
 
+// compiled_mtp::greedy_draft_sample: compiled_mtp::draft_sample (ops/draft_sample.py) whose greedy
+// batches stay here: a batch of CPU float32 logits whose requests are all greedy gets each row's
+// argmax and a one-hot q without a call into Python (a draft step's sampling cost more in that call
+// than in its arithmetic); any other batch is handed to that op.
+static bool all_greedy(const at::Tensor& logits, const at::Tensor& temperature) {
+    if (!(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.numel() &&
+          temperature.device().is_cpu() && temperature.scalar_type() == at::kFloat &&
+          temperature.sizes() == at::IntArrayRef({logits.size(0)})))
+        return false;
+    const at::Tensor t = temperature.contiguous();
+    const float* tp = t.data_ptr<float>();
+    return std::all_of(tp, tp + t.numel(), [](float v) { return v <= 0.f; });
+}
+
+std::tuple<at::Tensor, at::Tensor> greedy_draft_sample(const at::Tensor& logits, const at::Tensor& temperature,
+                                                       const at::Tensor& top_k, const at::Tensor& top_p, const at::Tensor& u) {
+    if (!all_greedy(logits, temperature)) {
+        static const auto general = c10::Dispatcher::singleton()
+            .findSchemaOrThrow("compiled_mtp::draft_sample", "")
+            .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                      const at::Tensor&, const at::Tensor&)>();
+        return general.call(logits, temperature, top_k, top_p, u);
+    }
+    const at::Tensor x = logits.contiguous();
+    const int64_t batch = x.size(0), vocab = x.size(1);
+    const std::vector<int64_t> argmax = row_argmax(x.data_ptr<float>(), batch, vocab, at::get_num_threads());
+    at::Tensor tokens = at::empty({batch}, x.options().dtype(at::kLong)), q = at::zeros({batch, vocab}, x.options());
+    int64_t* tp = tokens.data_ptr<int64_t>();
+    float* qp = q.data_ptr<float>();
+    for (int64_t b = 0; b < batch; b++) tp[b] = argmax[b], qp[b * vocab + argmax[b]] = 1.f;
+    return {tokens, q};
+}
+
+std::tuple<at::Tensor, at::Tensor> greedy_draft_sample_meta(const at::Tensor& logits, const at::Tensor&, const at::Tensor&,
+                                                            const at::Tensor&, const at::Tensor&) {
+    return {at::empty({logits.size(0)}, logits.options().dtype(at::kLong)), at::empty(logits.sizes(), logits.options().dtype(at::kFloat))};
+}
+
 }  // namespace
 
 COMPILED_MTP_OP(greedy_sample,
                 "(Tensor logits, Tensor temperature, Tensor drafts, Tensor draft_probs, Tensor noise) -> (Tensor, Tensor, Tensor)")
+COMPILED_MTP_OP(greedy_draft_sample,
+                "(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor u) -> (Tensor, Tensor)")
 
 }  // namespace compiled_mtp

@@ -15,6 +15,11 @@ another's value beats the current one's by `margin` (hysteresis): a near tie is 
 the estimates, and a change costs more than the steps it is timed on (leaving depth 0 first runs the
 MTP catch-up; requests of a batch drafting at K > 0 finish at different steps, and the last of them
 run a bucket's steps for fewer rows).
+
+A cost is only as current as the last step run at that key, and the machine's speed drifts (memory
+speed here changes from minute to minute): a depth that lost once would never be measured again.
+So every `probe_every` steps of a bucket, the runner-up depth runs one step if it has not run
+since, and a cost older than that is replaced by the new measurement rather than averaged with it.
 """
 
 from __future__ import annotations
@@ -50,14 +55,19 @@ class DepthPolicy:
         request_alpha: float = 0.3,
         cost_alpha: float = 0.2,
         margin: float = 0.05,
+        probe_every: int = 64,
     ) -> None:
         self.depths = tuple(sorted(depths))
         self.request_alpha = request_alpha
         self.cost_alpha = cost_alpha
         self.margin = margin
+        self.probe_every = probe_every
         self.current = self.depths[-1]
         self._cost: dict[Key, float] = {}
         self._seen: Counter[Key] = Counter()
+        self._steps: Counter[int] = Counter()  # choices made per bucket
+        # The bucket's step count when each key's cost was last measured.
+        self._measured_at: dict[Key, int] = {}
         width = self.depths[-1]
         self._proposed = [0] * width
         self._accepted = [0] * width
@@ -85,7 +95,9 @@ class DepthPolicy:
         if self._seen[key] == 1:
             return  # the first call of a key compiles or loads its graphs
         old = self._cost.get(key)
-        self._cost[key] = seconds if old is None else old + self.cost_alpha * (seconds - old)
+        stale = self._steps[bucket] - self._measured_at.get(key, 0) > self.probe_every
+        self._cost[key] = seconds if old is None or stale else old + self.cost_alpha * (seconds - old)
+        self._measured_at[key] = self._steps[bucket]
 
     def choose(self, bucket: int, rates: Sequence[Sequence[float]], remaining: Sequence[int]) -> int:
         """The depth for the next step of a batch in `bucket`: its requests' rates and wanted tokens."""
@@ -100,6 +112,11 @@ class DepthPolicy:
         best = max(self.depths, key=lambda k: value[k])
         if value[best] > value[self.current] * (1 + self.margin):
             self.current = best
+        self._steps[bucket] += 1
+        others = [k for k in self.depths if k != self.current]
+        runner_up = max(others, key=lambda k: value[k], default=self.current)
+        if self._steps[bucket] - self._measured_at[bucket, runner_up] > self.probe_every:
+            return runner_up  # one step to measure it again
         return self.current
 
 

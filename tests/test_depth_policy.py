@@ -80,6 +80,23 @@ def test_costs_follow_the_measurements():
     assert policy.choose(1, [[0.5, 0.5]], [100]) == 0
 
 
+def test_a_depth_that_lost_on_a_stale_cost_is_measured_again():
+    """Depth 0 was measured once, slow (the machine was busy), so depth 1 won and depth 0 never ran
+    again. Every probe_every steps the runner-up runs once; its fresh cost replaces the stale one,
+    and the policy moves to it, then keeps probing the depth it left."""
+    policy = DepthPolicy((0, 1), probe_every=8)
+    _measured(policy, 4, {0: 10.0, 1: 2.0})
+    true_cost = {0: 1.0, 1: 2.0}  # 1 token for 1.0 beats 1.84 for 2.0
+    chosen = []
+    for _ in range(30):
+        k = policy.choose(4, [[0.84]], [100])
+        chosen.append(k)
+        policy.record_cost(4, k, true_cost[k])
+    assert chosen[:8] == [1] * 8 and chosen[8] == 0  # the probe of the stale depth
+    assert chosen[9] == 0 and policy.current == 0  # its fresh cost won at once
+    assert chosen[10:].count(1) == 2 and chosen[-1] == 0  # one probe of depth 1 every 9 steps
+
+
 @given(accepted=st.integers(0, 3), depth=st.integers(1, 3), rates=rates_st)
 def test_observe_updates_only_the_tested_positions(accepted, depth, rates):
     accepted = min(accepted, depth)

@@ -104,7 +104,7 @@ def mtp_blocks(draw: st.DrawFn) -> dict:
 @given(mtp_blocks())
 @torch.no_grad()
 def test_mtp_rows_equal_the_whole_block_and_write_the_same_cache(block):
-    """forward_mtp_rows: every row's cache entry, bit for bit as forward_mtp writes it, and the drawn
+    """forward_mtp with rows: every row's cache entry, bit for bit as forward_mtp writes it, and the drawn
     rows' hiddens as forward_mtp's (fp32: the one-row products may sum in another order)."""
     raw = block["config"].to_dict()
     family = family_of(raw)
@@ -123,6 +123,6 @@ def test_mtp_rows_equal_the_whole_block_and_write_the_same_cache(block):
     cache = torch.randn(model.num_mtp_layers, batch + 1, capacity, model.cache_layout.width, generator=gen)
     whole_cache, rows_cache = cache.clone(), cache.clone()
     whole = model.forward_mtp(0, tokens, hidden, positions, write, slots, whole_cache)
-    got = model.forward_mtp_rows(0, tokens, hidden, positions, write, slots, rows_cache, rows)
+    got = model.forward_mtp(0, tokens, hidden, positions, write, slots, rows_cache, rows)
     torch.testing.assert_close(got, gather_rows(whole, rows), atol=ATOL, rtol=RTOL)
     assert torch.equal(rows_cache, whole_cache)

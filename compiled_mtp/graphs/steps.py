@@ -57,7 +57,7 @@ def prefill(
     state.last_token[slot] = first
     if state.mtp_cache.shape[0]:
         m_tokens = torch.where(positions == prompt_len[:, None] - 1, first[:, None], next_tokens)
-        m = model.forward_mtp_rows(0, m_tokens, h, positions, write, slot, state.mtp_cache, last_row)
+        m = model.forward_mtp(0, m_tokens, h, positions, write, slot, state.mtp_cache, last_row)
         _draft_from(model, state, slot, m, noise[:, 1])
     return first
 
@@ -131,7 +131,7 @@ def draft_extend(
     M's cache there (rows past `accepted` carry filler, overwritten later) and drafts the next d_1
     from row `accepted`. seq_lens are the lengths before the verify; noise [B, 1]."""
     positions, write = _rows(state, slots, block_positions(seq_lens - 1, committed.shape[1]))
-    m = model.forward_mtp_rows(0, committed, hidden, positions, write, slots, state.mtp_cache, accepted)
+    m = model.forward_mtp(0, committed, hidden, positions, write, slots, state.mtp_cache, accepted)
     _draft_from(model, state, slots, m, noise[:, 0])
 
 
@@ -155,6 +155,6 @@ def mtp_catch_up(
     positions, write = _rows(state, slots, positions.clamp(min=0), behind)
     hidden = state.lag_hidden[slots[:, None], positions % w]
     last_row = torch.full_like(lags, w - 1)
-    m = model.forward_mtp_rows(0, tokens, hidden, positions, write, slots, state.mtp_cache, last_row)
+    m = model.forward_mtp(0, tokens, hidden, positions, write, slots, state.mtp_cache, last_row)
     last = torch.where((lags > 0)[:, None], m, state.mtp_hidden[slots])
     _draft_from(model, state, slots, last, noise[:, 0])

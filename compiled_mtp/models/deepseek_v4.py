@@ -768,27 +768,15 @@ class DeepseekV4(CausalLM):
         write_index: Tensor,
         slots: Tensor,
         cache: Tensor,
+        rows: Tensor | None = None,
     ) -> Tensor:
-        """M over a [B, T] block on T's (or its own) flattened streams; returns its streams, flattened."""
+        """M over a [B, T] block on T's (or its own) flattened streams; returns its streams, flattened,
+        or with `rows` those of row rows[b] of each request: the V4 block is not split at its cache
+        entries, so it runs on the whole block either way."""
         ctx = self._context(tokens, positions, write_index, slots, cache)
         mtp = self.mtp_layer(layer)
-        return mtp(self.model.embed_tokens(tokens), self._streams(hidden), ctx, layer).flatten(2)
-
-    def forward_mtp_rows(
-        self,
-        layer: int,
-        tokens: Tensor,
-        hidden: Tensor,
-        positions: Tensor,
-        write_index: Tensor,
-        slots: Tensor,
-        cache: Tensor,
-        rows: Tensor,
-    ) -> Tensor:
-        """M over the whole block, then row rows[b] of each request: the V4 block is not split at its
-        cache entries."""
-        m = self.forward_mtp(layer, tokens, hidden, positions, write_index, slots, cache)
-        return gather_rows(m, rows)
+        m = mtp(self.model.embed_tokens(tokens), self._streams(hidden), ctx, layer).flatten(2)
+        return m if rows is None else gather_rows(m, rows)
 
     def mtp_layer(self, layer: int) -> MTPBlock:
         mtp = self.mtp[layer]

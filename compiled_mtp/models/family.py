@@ -1,7 +1,7 @@
 """The interface between a model family and the engine.
 
 The graphs (graphs/steps.py), StaticState, the reference loop, Runtime and the CLI see a model only
-through `CausalLM`: `forward_target` and `forward_mtp` (`forward_mtp_rows` where one row per request
+through `CausalLM`: `forward_target` and `forward_mtp` (with `rows` where one row per request
 is used) over explicit positions, write indices and slots, `logits` / `draft_logits`, `new_cache`
 (the family's `RowCache` layout), `num_mtp_layers` and `hidden_width`. A family module
 (deepseek_v3.py, glm4_moe.py, deepseek_v4.py) subclasses it with its backbone (attention, blocks)
@@ -191,26 +191,13 @@ class CausalLM(nn.Module):
         write_index: Tensor,
         slots: Tensor,
         cache: Tensor,
+        rows: Tensor | None = None,
     ) -> Tensor:
         """MTP layer `layer` over a [B, T] block: row (b, t) takes the token at positions+1 and the hidden
-        from positions. Returns its post-shared_head.norm hiddens; `cache` is the MTP cache."""
-        ctx = self.context(positions, write_index, slots, cache)
-        return self.mtp_layer(layer)(self.model.embed_tokens(tokens), hidden, ctx, layer)
-
-    def forward_mtp_rows(
-        self,
-        layer: int,
-        tokens: Tensor,
-        hidden: Tensor,
-        positions: Tensor,
-        write_index: Tensor,
-        slots: Tensor,
-        cache: Tensor,
-        rows: Tensor,
-    ) -> Tensor:
-        """forward_mtp's hidden at row rows[b] of each request b only, [B, H], though every row of the
-        block writes its cache entry: the shared MTP layer (layers.MTPLayer) runs past its cache
-        entries on those rows alone. A family with a layer of its own overrides it."""
+        from positions. Returns its post-shared_head.norm hiddens; `cache` is the MTP cache. With
+        `rows` ([B] long), only row rows[b] of each request's, [B, H], though every row of the block
+        writes its cache entry: the shared MTP layer (layers.MTPLayer) runs past its cache entries on
+        those rows alone."""
         ctx = self.context(positions, write_index, slots, cache)
         return self.mtp_layer(layer)(self.model.embed_tokens(tokens), hidden, ctx, layer, rows)
 

@@ -1,0 +1,68 @@
+"""Milliseconds per call of each graph a runtime replays while it generates: which graph of a step
+costs what (a catch-up, an extend, a verify), in the process's own thread count.
+
+The runtime loads its graphs from a capture cache (built on the first run), generates once to warm
+up, then `--rounds` times; each graph's figure is its best round's median call.
+
+    python benchmarks/graph_times.py [--depth 0] [--batch 4] [--cache-dir DIR] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from compiled_mtp import DEFAULT_MODEL, Runtime, SamplingParams
+from compiled_mtp.bench import bench_prompts
+from compiled_mtp.capture.compiler import CompiledGraphs
+from compiled_mtp.depth_policy import depth_arg
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--depth", type=depth_arg, default=0, help="the runtime's mtp_depth (default: 0)")
+    parser.add_argument("--batch", type=int, default=4, help="prompts generated at once (default: 4)")
+    parser.add_argument("--cache-dir", type=Path, default=None, help="capture cache (default: the user's)")
+    parser.add_argument("--new-tokens", type=int, default=128, help="tokens per prompt (default: 128)")
+    parser.add_argument("--rounds", type=int, default=3, help="timed generations (default: 3)")
+    args = parser.parse_args()
+    rt = Runtime.from_pretrained(
+        mtp_depth=args.depth,
+        mtp_depths=[0, 1, 2, 3],
+        batch_sizes=(1, args.batch),
+        cache_dir=args.cache_dir or True,
+        draft_vocab=1024,
+    )
+    calls: dict[str, list[float]] = defaultdict(list)
+    replay = CompiledGraphs.__call__
+
+    def timed(graphs: CompiledGraphs, key, *inputs):  # the replayed call, timed
+        start = time.perf_counter()
+        out = replay(graphs, key, *inputs)
+        calls[key.name].append(time.perf_counter() - start)
+        return out
+
+    CompiledGraphs.__call__ = timed  # type: ignore[method-assign]
+    prompts = bench_prompts(Path(DEFAULT_MODEL), rt.model.cfg.vocab_size, args.batch, 64).token_ids
+    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    rt.generate(prompts, params)
+    best: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for _ in range(args.rounds):
+        calls.clear()
+        rt.generate(prompts, params)
+        for name, seconds in calls.items():
+            best[name] = min(best.get(name, float("inf")), 1e3 * statistics.median(seconds))
+            counts[name] = len(seconds)
+    print(
+        f"depth {args.depth}, {args.batch} prompts x {args.new_tokens} new tokens; ms per call, best round's median"
+    )
+    for name in sorted(best):
+        print(f"  {name:<24}{best[name]:8.3f}  ({counts[name]} calls a generation)")
+
+
+if __name__ == "__main__":
+    main()

@@ -11,10 +11,10 @@ the runtime's history (accepted over proposed at each position, smoothed towards
 cost(bucket, K) is a moving average of the wall time of the decode steps the runtime ran with that key,
 the first one left out (it compiles or loads the graphs). A key never run is tried before any choice
 is made from the others, so every cost is measured, never typed in. The depth changes only when
-another's value beats the current one's by `margin` (hysteresis): a near tie is within the noise of
-the estimates, and a change costs more than the steps it is timed on (leaving depth 0 first runs the
-MTP catch-up; requests of a batch drafting at K > 0 finish at different steps, and the last of them
-run a bucket's steps for fewer rows).
+another's value beats the current one's by `margin` (hysteresis: a near tie is within the noise of
+the estimates), or by `zero_margin` for a change to or from depth 0, which costs more than the steps
+it is timed on: leaving depth 0 first runs the MTP catch-up, and the requests of a batch that drafts
+finish at different steps, so its last steps run the bucket for fewer rows.
 
 A cost is only as current as the last step run at that key, and the machine's speed drifts (memory
 speed here changes from minute to minute): a depth that lost once would never be measured again.
@@ -54,13 +54,15 @@ class DepthPolicy:
         *,
         request_alpha: float = 0.3,
         cost_alpha: float = 0.2,
-        margin: float = 0.05,
+        margin: float = 0.03,
+        zero_margin: float = 0.05,
         probe_every: int = 64,
     ) -> None:
         self.depths = tuple(sorted(depths))
         self.request_alpha = request_alpha
         self.cost_alpha = cost_alpha
         self.margin = margin
+        self.zero_margin = zero_margin
         self.probe_every = probe_every
         self.current = self.depths[-1]
         self._cost: dict[Key, float] = {}
@@ -110,7 +112,8 @@ class DepthPolicy:
             for k in self.depths
         }
         best = max(self.depths, key=lambda k: value[k])
-        if value[best] > value[self.current] * (1 + self.margin):
+        margin = self.zero_margin if 0 in (best, self.current) else self.margin
+        if value[best] > value[self.current] * (1 + margin):
             self.current = best
         self._steps[bucket] += 1
         others = [k for k in self.depths if k != self.current]

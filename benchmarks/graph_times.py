@@ -1,5 +1,6 @@
-"""Milliseconds per call of each graph a runtime replays while it generates: which graph of a step
-costs what (a catch-up, an extend, a verify), in the process's own thread count.
+"""Milliseconds per call of each graph a runtime replays while it generates.
+
+Which graph of a step costs what (a catch-up, an extend, a verify), at the process's thread count.
 
 The runtime loads its graphs from a capture cache (built on the first run), generates once to warm
 up, then `--rounds` times; each graph's figure is its best round's median call.

@@ -536,8 +536,9 @@ def threads(count: int):
 @SETTINGS
 @given(greedy_cases())
 def test_greedy_batches_take_the_cpp_path_with_the_traced_tokens(case):
-    """The verify op, and the draft op on each request's first row, for batches of greedy requests:
-    the C++ path (ops/csrc/greedy_sample.cpp) takes them, and gives the definition's tokens and q."""
+    """The verify op, and the draft ops on each request's first row, for batches of greedy requests:
+    the C++ paths (ops/csrc/greedy_sample.cpp) take them, and give the definition's tokens and q,
+    as the draft op's general path does."""
     from compiled_mtp.graphs.sampling import draft_sample, verify_sample
     from compiled_mtp.ops import draft_sample as draft_kernel
     from compiled_mtp.ops import verify_sample as kernel

@@ -1,5 +1,7 @@
 """`compiled_mtp::draft_sample`: a draft step's sampling (`graphs.sampling.draft_sample`) as one
-operation on CPU.
+operation on CPU. Where the C++ ops build, graphs call `compiled_mtp::greedy_draft_sample`
+(ops/csrc/greedy_sample.cpp) instead, which samples a batch of greedy requests itself and hands
+any other batch to this op.
 
 The traced definition must stay branch-free, so every draft step of every request sorts the whole
 vocabulary for top-k/top-p: 12.6 ms for one row of a 129280-token vocabulary on this CPU, as long as
@@ -17,7 +19,6 @@ import torch
 from torch import Tensor
 
 from ..graphs.sampling import sample_from_probs
-from .greedy_sample import greedy_verify
 from .verify_sample import filtered_rows, request_kinds, rows_of, softmax_rows
 
 # Defined and implemented directly, like the verify op: it runs in every draft step.
@@ -31,15 +32,6 @@ def draft_sample(
     logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, u: Tensor
 ) -> tuple[Tensor, Tensor]:
     """Arguments and results as `graphs.sampling.draft_sample`: (tokens [B], q float32 [B, V])."""
-    batch, vocab = logits.shape
-    no_drafts, no_draft_probs = (
-        u.new_empty(batch, 0, dtype=torch.long),
-        u.new_empty(batch, 0, vocab),
-    )  # a draft step verifies none
-    greedy = greedy_verify(logits[:, None], temperature, no_drafts, no_draft_probs, u[:, None])
-    if greedy is not None:
-        tokens = greedy[1][:, 0]
-        return tokens, torch.zeros_like(logits).scatter_(-1, tokens[:, None], 1.0)
     logits = logits.float()
     g, s, f = request_kinds(temperature, top_k, top_p, logits.shape[-1])
     tokens = torch.empty(len(logits), dtype=torch.long, device=logits.device)

@@ -1,5 +1,6 @@
 """The sampling ops' greedy path on CPU float32 (`compiled_mtp::greedy_sample`, csrc/greedy_sample.cpp):
-a batch whose requests are all greedy is verified (or drafted) in one C++ call.
+a batch whose requests are all greedy is verified in one C++ call (drafts: `compiled_mtp::greedy_draft_sample`,
+the same file, which graphs call directly).
 
 Greedy decoding is the common case, and for it the sampling ops' Python paths cost more than their
 arithmetic: about 20 small operations a call, and a single-threaded argmax (see docs/passes.md).

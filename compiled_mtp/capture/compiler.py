@@ -131,6 +131,8 @@ class CompiledGraphs:
                     left,
                     len(self.keys),
                 )
+        elif self.cache is not None:  # a package: no Dynamo frame to guard or count (16 us a call)
+            out = graph(*inputs)
         else:
             frames = _compiled_frames()
             with torch.compiler.set_stance("fail_on_recompile"):

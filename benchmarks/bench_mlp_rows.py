@@ -1,5 +1,5 @@
-"""Why a verify of 4 rows costs more than a decode step of 1 on this CPU: a dense MLP's time at 1 and
-4 rows, against its weight bytes and its arithmetic.
+"""Why a verify of 4 rows costs more than a decode step of 1 on this CPU: a dense MLP's time at 1 to
+16 rows, against its weight bytes and its arithmetic.
 
 `compiled_mtp::dense_mlp` (the op fuse_dense_mlp puts in a verify graph) runs the default model's
 MLP shape (hidden 256, intermediate 1024) over `--layers` distinct weight sets in turn, so the
@@ -7,9 +7,11 @@ weights are read from memory and the last-level cache as in a model's forward ("
 set ("hot": the weights stay in cache). Beside each time: what streaming the weights at the
 measured copy bandwidth would take, and what the multiply-adds would take at the fp32 rate a large
 `torch.mm` reaches on the same threads. At 1 row the bytes set the pace; at 4 the multiply-adds
-come close to them, which a bound counting bytes alone does not see.
+come close to them, which a bound counting bytes alone does not see; from 8 (a batch of 4 verifying
+drafts) they set it.
 
     python benchmarks/bench_mlp_rows.py [--hidden 256] [--inter 1024] [--layers 11] [--rounds 5]
+                                        [--rows 1 4 8 16]
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ def main() -> None:
     parser.add_argument("--inter", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=11, help="distinct weight sets read in turn (cold)")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16], help="row counts timed")
     args = parser.parse_args()
     if not library.load():
         raise SystemExit("error: the C++ ops did not build on this machine")
@@ -74,14 +77,19 @@ def main() -> None:
         f"one MLP: {nbytes / 1e6:.2f} MB, {nbytes / bandwidth / 1e3:.1f} us at copy bandwidth"
     )
     times = {}
-    for rows in (1, 4):
+    for rows in args.rows:
         times[rows] = mlp_us(torch.randn(rows, h), weights, args.rounds)
         arithmetic = 2 * rows * nbytes / 4 / flops / 1e3
         print(
             f"{rows} row(s): {times[rows][0]:6.1f} us cold, {times[rows][1]:6.1f} us hot; "
             f"multiply-adds at the torch.mm rate {arithmetic:5.1f} us"
         )
-    print(f"4 rows over 1: {times[4][0] / times[1][0]:.2f}x cold, {times[4][1] / times[1][1]:.2f}x hot")
+    first = args.rows[0]
+    for rows in args.rows[1:]:
+        print(
+            f"{rows} rows over {first}: {times[rows][0] / times[first][0]:.2f}x cold, "
+            f"{times[rows][1] / times[first][1]:.2f}x hot"
+        )
 
 
 if __name__ == "__main__":

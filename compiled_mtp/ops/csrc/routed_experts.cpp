@@ -83,13 +83,16 @@ void kernel(const float* x, const int64_t* idx, const float* weight, const float
             const int64_t ex = used[item / gate_blocks], i0 = (item % gate_blocks) * GATE_BLOCK;
             const int64_t i1 = std::min(i0 + GATE_BLOCK, inter);
             const std::vector<int64_t>& ps = pairs[ex];
-            row_groups(ps, [&](size_t p0, int64_t rows) {
-                const float* xr[MAX_ROWS];
-                for (int64_t r = 0; r < rows; r++) xr[r] = x + ps[p0 + r] / k * h;
-                for (int64_t i = i0; i < i1; i += 2) {
-                    const int64_t i2 = std::min(i + 1, i1 - 1);  // an odd last row is computed twice, stored once
-                    const float* w[O] = {gate + (ex * inter + i) * h, gate + (ex * inter + i2) * h,
-                                         up + (ex * inter + i) * h, up + (ex * inter + i2) * h};
+            // Each pair of weight rows meets every row group while it is in L1, so the weights stream
+            // from memory once, beside the arithmetic (a block read once per group left the memory
+            // idle after the first group: at 8 rows a cold MLP cost its read plus its arithmetic).
+            for (int64_t i = i0; i < i1; i += 2) {
+                const int64_t i2 = std::min(i + 1, i1 - 1);  // an odd last row is computed twice, stored once
+                const float* w[O] = {gate + (ex * inter + i) * h, gate + (ex * inter + i2) * h,
+                                     up + (ex * inter + i) * h, up + (ex * inter + i2) * h};
+                row_groups(ps, [&](size_t p0, int64_t rows) {
+                    const float* xr[MAX_ROWS];
+                    for (int64_t r = 0; r < rows; r++) xr[r] = x + ps[p0 + r] / k * h;
                     float s[MAX_ROWS][O];
                     dots_any<MAX_ROWS>(rows, xr, w, h, s);
                     for (int64_t r = 0; r < rows; r++) {
@@ -97,12 +100,9 @@ void kernel(const float* x, const int64_t* idx, const float* weight, const float
                         act[at + i] = s[r][0], act[at + i2] = s[r][1];
                         ups[at + i] = s[r][2], ups[at + i2] = s[r][3];
                     }
-                }
-                for (int64_t r = 0; r < rows; r++) {
-                    const int64_t at = ps[p0 + r] * inter + i0;
-                    silu_mul(act.data() + at, ups.data() + at, i1 - i0);
-                }
-            });
+                });
+            }
+            for (int64_t p : ps) silu_mul(act.data() + p * inter + i0, ups.data() + p * inter + i0, i1 - i0);
         }
         #pragma omp for schedule(static)
         for (int64_t j0 = 0; j0 < h; j0 += DOWN_BLOCK) {
@@ -110,20 +110,20 @@ void kernel(const float* x, const int64_t* idx, const float* weight, const float
             for (int64_t t = 0; t < n; t++) std::fill(out + t * h + j0, out + t * h + j1, 0.f);
             for (int64_t ex : used) {
                 const std::vector<int64_t>& ps = pairs[ex];
-                row_groups(ps, [&](size_t p0, int64_t rows) {
-                    const float* ar[MAX_ROWS];
-                    for (int64_t r = 0; r < rows; r++) ar[r] = act.data() + ps[p0 + r] * inter;
-                    for (int64_t j = j0; j < j1; j += O) {
-                        const float* w[O];
-                        for (int o = 0; o < O; o++) w[o] = down + (ex * h + std::min(j + o, j1 - 1)) * inter;
+                for (int64_t j = j0; j < j1; j += O) {  // weight rows outside the row groups, as above
+                    const float* w[O];
+                    for (int o = 0; o < O; o++) w[o] = down + (ex * h + std::min(j + o, j1 - 1)) * inter;
+                    row_groups(ps, [&](size_t p0, int64_t rows) {
+                        const float* ar[MAX_ROWS];
+                        for (int64_t r = 0; r < rows; r++) ar[r] = act.data() + ps[p0 + r] * inter;
                         float s[MAX_ROWS][O];
                         dots_any<MAX_ROWS>(rows, ar, w, inter, s);
                         for (int64_t r = 0; r < rows; r++) {
                             const int64_t p = ps[p0 + r];
                             for (int o = 0; o < O && j + o < j1; o++) out[p / k * h + j + o] += weight[p] * s[r][o];
                         }
-                    }
-                });
+                    });
+                }
             }
         }
     }

@@ -20,6 +20,9 @@ A cost is only as current as the last step run at that key, and the machine's sp
 speed here changes from minute to minute): a depth that lost once would never be measured again.
 So every `probe_every` steps of a bucket, the runner-up depth runs one step if it has not run
 since, and a cost older than that is replaced by the new measurement rather than averaged with it.
+A runner-up within `close` of the current depth's value runs every `close_probe_every` steps
+instead, its cost averaged over those probes: a near tie is what one noisy measurement decides
+wrongly, and a probe of a depth worth nearly as much costs nearly nothing.
 """
 
 from __future__ import annotations
@@ -54,9 +57,11 @@ class DepthPolicy:
         *,
         request_alpha: float = 0.3,
         cost_alpha: float = 0.2,
-        margin: float = 0.03,
+        margin: float = 0.02,
         zero_margin: float = 0.05,
         probe_every: int = 64,
+        close: float = 0.1,
+        close_probe_every: int = 16,
     ) -> None:
         self.depths = tuple(sorted(depths))
         self.request_alpha = request_alpha
@@ -64,6 +69,8 @@ class DepthPolicy:
         self.margin = margin
         self.zero_margin = zero_margin
         self.probe_every = probe_every
+        self.close = close
+        self.close_probe_every = close_probe_every
         self.current = self.depths[-1]
         self._cost: dict[Key, float] = {}
         self._seen: Counter[Key] = Counter()
@@ -118,7 +125,9 @@ class DepthPolicy:
         self._steps[bucket] += 1
         others = [k for k in self.depths if k != self.current]
         runner_up = max(others, key=lambda k: value[k], default=self.current)
-        if self._steps[bucket] - self._measured_at[bucket, runner_up] > self.probe_every:
+        near = value[runner_up] * (1 + self.close) >= value[self.current]
+        every = self.close_probe_every if near else self.probe_every
+        if self._steps[bucket] - self._measured_at[bucket, runner_up] > every:
             return runner_up  # one step to measure it again
         return self.current
 

@@ -86,7 +86,7 @@ def test_a_depth_that_lost_on_a_stale_cost_is_measured_again():
     """Depth 0 was measured once, slow (the machine was busy), so depth 1 won and depth 0 never ran
     again. Every probe_every steps the runner-up runs once; its fresh cost replaces the stale one,
     and the policy moves to it, then keeps probing the depth it left."""
-    policy = DepthPolicy((0, 1), probe_every=8)
+    policy = DepthPolicy((0, 1), probe_every=8, close=0.0)  # no near tie (next test)
     _measured(policy, 4, {0: 10.0, 1: 2.0})
     true_cost = {0: 1.0, 1: 2.0}  # 1 token for 1.0 beats 1.84 for 2.0
     chosen = []
@@ -97,6 +97,27 @@ def test_a_depth_that_lost_on_a_stale_cost_is_measured_again():
     assert chosen[:8] == [1] * 8 and chosen[8] == 0  # the probe of the stale depth
     assert chosen[9] == 0 and policy.current == 0  # its fresh cost won at once
     assert chosen[10:].count(1) == 2 and chosen[-1] == 0  # one probe of depth 1 every 9 steps
+
+
+@pytest.mark.parametrize("close", [0.1, 0.0])
+def test_a_near_tie_is_probed_often_and_its_cost_averaged(close):
+    """Depth 3 is 5% better than depth 2, but its one measurement came on a slow moment (1.15 for a
+    true 1.04), which puts it 5% behind. Within `close` of the current depth, it runs every
+    close_probe_every steps, its cost averaged over the probes, until it wins (and depth 2, now the
+    near runner-up, is probed in turn); without the rule its next measurement is 64 steps away."""
+    policy = DepthPolicy((2, 3), margin=0.02, close=close, close_probe_every=4, probe_every=64)
+    _measured(policy, 1, {2: 1.0, 3: 1.15})
+    true_cost, rates = {2: 1.0, 3: 1.04}, [[0.86, 0.62, 0.42]]  # 2.39 tokens for 1.0, 2.62 for 1.04
+    chosen = []
+    for _ in range(40):
+        k = policy.choose(1, rates, [100])
+        chosen.append(k)
+        policy.record_cost(1, k, true_cost[k])
+    if close:
+        assert chosen[:10] == [2, 2, 2, 2, 3] * 2  # a probe every 5 steps
+        assert policy.current == 3 and chosen.index(3) < 5 and chosen[-10:] == [3, 3, 3, 2, 3] * 2
+    else:
+        assert chosen == [2] * 40
 
 
 @given(accepted=st.integers(0, 3), depth=st.integers(1, 3), rates=rates_st)

@@ -11,15 +11,24 @@ come close to them, which a bound counting bytes alone does not see; from 8 (a b
 drafts) they set it.
 
     python benchmarks/bench_mlp_rows.py [--hidden 256] [--inter 1024] [--layers 11] [--rounds 5]
-                                        [--rows 1 4 8 16]
+                                        [--rows 1 4 8 16] [--against REV]
+
+With `--against REV` the kernel of git revision REV is built beside this checkout's (its op renamed)
+and both run cold in turns, round after round, so a drift in memory speed meets both.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
+import statistics
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import torch
+from torch.utils import cpp_extension
 
 from compiled_mtp.ops import library
 
@@ -56,6 +65,39 @@ def mlp_us(x: torch.Tensor, weights: list[tuple[torch.Tensor, ...]], rounds: int
     return best_us(cold, 50, rounds) / len(weights), best_us(lambda: mlp(x, *weights[0]), 200, rounds)
 
 
+def op_at(rev: str):
+    """dense_mlp as revision `rev` wrote it, built and registered as compiled_mtp::dense_mlp_at_rev."""
+    folder = Path(tempfile.mkdtemp(prefix="mlp_rev_"))
+    for name in ("routed_experts.cpp", "ops.h"):
+        text = subprocess.run(
+            ["git", "show", f"{rev}:compiled_mtp/ops/csrc/{name}"], capture_output=True, text=True, check=True
+        ).stdout
+        text = re.sub(r"\b(routed_experts|dense_mlp)(_meta)?\b(?=[(,])", r"\1_at_rev\2", text)
+        (folder / name).write_text(text)
+    cpp_extension.load(
+        name=f"mlp_at_{rev.replace('~', '_').replace('^', '_')}",
+        sources=[str(folder / "routed_experts.cpp")],
+        extra_cflags=library._flags(),
+        extra_ldflags=["-fopenmp"],
+        extra_include_paths=[str(folder)],
+        build_directory=str(folder),
+        is_python_module=False,
+    )
+    return torch.ops.compiled_mtp.dense_mlp_at_rev
+
+
+def in_turns(ops: dict, x: torch.Tensor, weights: list, rounds: int) -> dict[str, float]:
+    """Median over rounds of each op's cold microseconds per MLP, the ops taking turns every round."""
+    times: dict[str, list[float]] = {name: [] for name in ops}
+    for _ in range(rounds):
+        for name, op in ops.items():
+            start = time.perf_counter()
+            for g, u, d in weights:
+                op(x, g, u, d)
+            times[name].append((time.perf_counter() - start) / len(weights) * 1e6)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=256)
@@ -63,6 +105,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=11, help="distinct weight sets read in turn (cold)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16], help="row counts timed")
+    parser.add_argument("--against", metavar="REV", help="also time revision REV's kernel, in turns")
     args = parser.parse_args()
     if not library.load():
         raise SystemExit("error: the C++ ops did not build on this machine")
@@ -90,6 +133,15 @@ def main() -> None:
             f"{rows} rows over {first}: {times[rows][0] / times[first][0]:.2f}x cold, "
             f"{times[rows][1] / times[first][1]:.2f}x hot"
         )
+    if args.against:
+        ops = {"this": torch.ops.compiled_mtp.dense_mlp, args.against: op_at(args.against)}
+        print(f"cold, in turns, median of {args.rounds * 3} rounds (us per MLP):")
+        for rows in args.rows:
+            t = in_turns(ops, torch.randn(rows, h), weights, args.rounds * 3)
+            print(
+                f"  {rows:2d} row(s): this {t['this']:6.1f}, {args.against} {t[args.against]:6.1f}: "
+                f"{t['this'] / t[args.against]:.3f}x"
+            )
 
 
 if __name__ == "__main__":

@@ -134,8 +134,9 @@ def test_inductor_graphs_equal_the_reference(tmp_path, monkeypatch):
     equals the reference, also when M catches up after depth-0 steps, sampled output the eager
     steps, and no graph copies a cache.
     Linears on 2-4 rows go through the few-row kernel, those on 1 row become Inductor's
-    multiply-and-sum (narrow_linear) and every other one goes through the packed-weight op, although
-    this model's weights are below the sizes where those pay; attention goes through live_attention."""
+    multiply-and-sum (narrow_linear), those on 5-16 rows (the verify at B=2) the panel kernel and
+    every other one goes through the packed-weight op, although this model's weights are below the
+    sizes where those pay; attention goes through live_attention."""
     monkeypatch.setattr(packed_linear, "MIN_WEIGHT", 0)
     monkeypatch.setattr(narrow_linear, "KERNEL_WEIGHT", 0)
     model = load_model(write_echo_checkpoint(tmp_path, mtp_noise=0.3, attn_scale=0.5, seed=4, num_layers=2))

@@ -19,7 +19,8 @@ from tests.test_acceptance import assert_acceptance_parity, prompts_for
 @pytest.fixture(scope="module")
 def compiled(distilled_checkpoint):
     """Linears on 2-4 rows take the few-row kernel, those on 1 row narrow_linear's multiply-and-sum,
-    the rest the packed-weight op, although these weights are below the sizes where those pay.
+    those on 5-16 rows (the verify at B=4) the panel kernel, the rest the packed-weight op, although
+    these weights are below the sizes where those pay.
     The thresholds are read when a graph compiles, so they stay set for the whole module."""
     model = load_model(distilled_checkpoint)
     with pytest.MonkeyPatch.context() as mp:

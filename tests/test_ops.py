@@ -40,6 +40,39 @@ def test_few_row_linear_matches_f_linear(rows, out_features, in_features):
     torch.testing.assert_close(ops.few_row_linear(x, weight), expected, rtol=1e-5, atol=1e-4)
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 16),
+    out_features=st.integers(1, 70),
+    in_features=st.integers(1, 40),
+    seed=st.integers(0, 2**16),
+)
+def test_panel_linear_matches_f_linear(rows, out_features, in_features, seed):
+    """Any row count it takes (blocks of 8 rows and their remainders), and output counts that leave a
+    partial last panel and a partial group of panels."""
+    gen = torch.Generator().manual_seed(seed)
+    x, weight = (
+        torch.randn(rows, in_features, generator=gen),
+        torch.randn(out_features, in_features, generator=gen),
+    )
+    expected = torch.nn.functional.linear(x.double(), weight.double()).float()
+    torch.testing.assert_close(ops.panel_linear(x, weight), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_panel_linear_follows_its_weight():
+    """The copy in panels is made again after the weight changes in place, and a weight that is a
+    slice of a larger tensor at another offset gets its own."""
+    gen = torch.Generator().manual_seed(7)
+    storage = torch.randn(96, 24, generator=gen)
+    weight, other = storage[:48], storage[48:]
+    x = torch.randn(12, 24, generator=gen)
+    first = ops.panel_linear(x, weight)
+    torch.testing.assert_close(first, x @ weight.T, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(ops.panel_linear(x, other), x @ other.T, rtol=1e-5, atol=1e-4)
+    weight.mul_(-2.0)
+    torch.testing.assert_close(ops.panel_linear(x, weight), -2.0 * first, rtol=1e-5, atol=1e-4)
+
+
 @settings(max_examples=40)
 @given(
     rows=st.integers(1, 11),
@@ -179,6 +212,9 @@ def _refusals():
             lambda: ops.few_row_linear(x, w[:, :39].contiguous()),
             "few_row_linear: x has 40 columns, weight 39",
         ),
+        (lambda: ops.panel_linear(torch.randn(17, 40), w), "panel_linear: x must have 1 to 16 rows, got 17"),
+        (lambda: ops.panel_linear(x, w[:, :39].contiguous()), "panel_linear: x has 40 columns, weight 39"),
+        (lambda: ops.panel_linear(x, w.t().contiguous().t()), "panel_linear: weight must be contiguous"),
         (
             lambda: ops.routed_experts(e_x, idx, e_w, gate, up, down[:, :, :7].contiguous()),
             "routed_experts: down must be [6, 24, 8], got [6, 24, 7]",
@@ -248,6 +284,7 @@ def test_without_the_library_every_region_stays_as_traced(tiny_checkpoint, unbui
         )
     native = {
         ops.few_row_linear.default,
+        ops.panel_linear.default,
         ops.live_attention.default,
         ops.routed_experts.default,
         ops.dense_mlp.default,

@@ -329,6 +329,32 @@ def test_narrow_linear_sends_large_weights_on_2_to_4_rows_to_the_kernel(
 
 
 @pytest.mark.parametrize(
+    "kind,b,k,share",
+    [
+        ("target_verify", 2, 2, "all"),
+        ("target_verify", 4, 3, "all"),
+        ("draft_extend", 2, 2, "some"),
+        ("target_verify", 1, 3, "none"),
+    ],
+)
+def test_panel_linear_takes_every_linear_on_5_to_16_rows(model, state, kind, b, k, share):
+    """Linears on 5-16 rows (all of a verify of 6 or 16 rows; M's of a draft extend at B=2, K=2, not
+    its 2-row LM head; none of a 4-row verify) become compiled_mtp::panel_linear, a bias or residual
+    Inductor folded in added after it; the others stay, and the graph computes what it did."""
+    before, after = _graphs(kind, b, k, model, state, ("panel_linear",))
+    rows = [
+        n.args[-2].meta["val"].shape[0]
+        for n in before.graph.nodes
+        if n.target in (aten.mm.default, aten.addmm.default)
+    ]
+    panel = sum(4 < r <= 16 for r in rows)
+    assert {"all": panel == len(rows) > 0, "some": 0 < panel < len(rows), "none": panel == 0}[share]
+    assert _count(after, torch.ops.compiled_mtp.panel_linear.default) == panel
+    assert len(_linear_weights(after)) == len(_linear_weights(before)) - panel
+    _assert_same(before, after, state, model, kind, b, k, exact=False)
+
+
+@pytest.mark.parametrize(
     "kind,b,k,layers",
     [("target_verify", 1, 3, 1), ("draft_extend", 2, 2, 1), ("draft_decode", 2, 3, 2), ("prefill", 1, 0, 1)],
 )
@@ -534,6 +560,7 @@ def test_switches_and_uuids():
         "group_experts",
         "fuse_dense_mlp",
         "narrow_linear",
+        "panel_linear",
         "packed_linear",
         "fold_key_constants",
     }
@@ -571,6 +598,7 @@ def test_command_line_switch(capsys):
         "group_experts",
         "live_attention",
         "narrow_linear",
+        "panel_linear",
     )
     with pytest.raises(SystemExit):
         main(["generate", "hello", "--disable-pass", "fuse_everything"])

@@ -22,11 +22,12 @@ from .group_experts import GroupExperts
 from .live_attention import LiveAttention
 from .narrow_linear import NarrowLinear
 from .packed_linear import PackedLinear
+from .panel_linear import PanelLinear
 
 # name -> pass instance, in the order they run; each pass lives in its own module of this package.
 # The passes that replace traced regions go first: they look for the graph as traced. narrow_linear
-# takes the linears on few rows before packed_linear takes the other large ones. Folding goes last,
-# so it also folds what the other passes leave key-only.
+# takes the linears on up to 4 rows and panel_linear those on 5-16 before packed_linear takes the
+# other large ones. Folding goes last, so it also folds what the other passes leave key-only.
 REGISTRY: dict[str, CustomGraphPass] = {
     "fuse_verify_sampling": FuseVerifySampling(),
     "fuse_draft_sampling": FuseDraftSampling(),
@@ -34,6 +35,7 @@ REGISTRY: dict[str, CustomGraphPass] = {
     "group_experts": GroupExperts(),
     "fuse_dense_mlp": FuseDenseMLP(),
     "narrow_linear": NarrowLinear(),
+    "panel_linear": PanelLinear(),
     "packed_linear": PackedLinear(),
     "fold_key_constants": FoldKeyConstants(),
 }

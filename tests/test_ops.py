@@ -99,10 +99,11 @@ def test_routed_experts_matches_the_gathered_products(rows, k, extra, inter, hid
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * max(1.0, expected.abs().max().item()))
 
 
-@pytest.mark.parametrize("shape", [(1, 40), (3, 40), (2, 2, 17), (5, 3), (9, 17), (16, 40)])
+@pytest.mark.parametrize("shape", [(1, 40), (3, 40), (2, 2, 17), (5, 3), (9, 17), (16, 40), (20, 17)])
 def test_dense_mlp_matches_the_model_function(shape):
-    """Any leading shape, lengths that leave vector tails (17, 3), an odd last down row (3), and the
-    5-16 rows of a verify whose rows go through the weights in groups of 4."""
+    """Any leading shape, lengths that leave vector tails and partial panels (17, 3), up to 16 rows
+    from the weights' panels (a block of 8 rows and a remainder: 9), and more rows (20, a prefill
+    chunk) through the dot-block kernel, an odd last down row (17) included."""
     gen = torch.Generator().manual_seed(sum(shape))
     hidden, inter = shape[-1], 2 * shape[-1] + 1
     x = torch.randn(shape, generator=gen)

@@ -1,22 +1,16 @@
-// compiled_mtp::panel_linear(x [rows, in], weight [out, in]) -> x W^T [rows, out], rows 1..16, float32.
-// The weight is read from a copy in panels of one vector's width of outputs, [out / 16][in][16] with
-// AVX-512, made on its first use:
-// each step along `in` loads one vector per panel and multiplies it by every row's element there, so
-// each output lane keeps its own sum and nothing is reduced across lanes, and the panels are read
-// in order, once per 8 rows (see docs/passes.md, panel_linear).
+// compiled_mtp::panel_linear(x [rows, in], weight [out, in]) -> x W^T [rows, out], rows 1..16, float32,
+// from the weight's panels (panels.h), and the panels' copies and product that dense_mlp shares.
 #include <c10/core/StorageImpl.h>
 
 #include <mutex>
 #include <unordered_map>
 
-#include "ops.h"
+#include "panels.h"
 
 namespace compiled_mtp {
 namespace {
-constexpr int64_t LANES = Vec::size();  // outputs in a panel: one vector
-constexpr int64_t PANELS = 3;      // panels a thread works on at once: 8 x 3 accumulators, 3 weight vectors
-constexpr int64_t ROW_BLOCK = 8;   // rows whose sums stay in registers
-constexpr int64_t MAX_ROWS = 16;
+constexpr int64_t LANES = PANEL_LANES;
+constexpr int64_t PANELS = 3;  // panels a thread works on at once: 8 x 3 accumulators, 3 weight vectors
 
 struct Panels {
     c10::weak_intrusive_ptr<c10::StorageImpl> storage;  // the weight's: a freed weight never matches
@@ -57,17 +51,7 @@ at::Tensor pack(const at::Tensor& w) {
     return packed;
 }
 
-// The panels of `w`, copied now if it has none that match; copies of freed weights go then too.
-at::Tensor panels_of(const at::Tensor& w) {
-    std::lock_guard<std::mutex> guard(lock);
-    const auto found = copies.find(w.data_ptr());
-    if (found != copies.end() && matches(found->second, w)) return found->second.packed;
-    for (auto it = copies.begin(); it != copies.end();) it = it->second.storage.expired() ? copies.erase(it) : std::next(it);
-    Panels entry{w.storage().getWeakStorageImpl(), w.storage_offset(), version_of(w), pack(w)};
-    return copies.insert_or_assign(w.data_ptr(), std::move(entry)).first->second.packed;
-}
-
-// R rows (R <= ROW_BLOCK) against P panels from output `col` on.
+// R rows (R <= PANEL_ROW_BLOCK) against P panels from output `col` on.
 template <int R, int P>
 void block(const float* x, const float* panels, float* out, int64_t k, int64_t n, int64_t col) {
     Vec acc[R][P];
@@ -90,10 +74,10 @@ void block(const float* x, const float* panels, float* out, int64_t k, int64_t n
 
 template <int P>
 void rows_against(const float* x, int64_t rows, const float* panels, float* out, int64_t k, int64_t n, int64_t col) {
-    for (int64_t r0 = 0; r0 < rows; r0 += ROW_BLOCK) {
+    for (int64_t r0 = 0; r0 < rows; r0 += PANEL_ROW_BLOCK) {
         const float* xr = x + r0 * k;
         float* o = out + r0 * n;
-        switch (std::min(ROW_BLOCK, rows - r0)) {
+        switch (std::min(PANEL_ROW_BLOCK, rows - r0)) {
             case 1: block<1, P>(xr, panels, o, k, n, col); break;
             case 2: block<2, P>(xr, panels, o, k, n, col); break;
             case 3: block<3, P>(xr, panels, o, k, n, col); break;
@@ -110,24 +94,11 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& weight) {
     check(x_in, "panel_linear", "x", at::kFloat, 2);
     check(weight, "panel_linear", "weight", at::kFloat, 2, true);
     const int64_t rows = x_in.size(0), n = weight.size(0), k = weight.size(1);
-    TORCH_CHECK(rows >= 1 && rows <= MAX_ROWS, "panel_linear: x must have 1 to ", MAX_ROWS, " rows, got ", rows);
+    TORCH_CHECK(rows >= 1 && rows <= PANEL_MAX_ROWS, "panel_linear: x must have 1 to ", PANEL_MAX_ROWS, " rows, got ", rows);
     TORCH_CHECK(x_in.size(1) == k, "panel_linear: x has ", x_in.size(1), " columns, weight ", k);
-    const at::Tensor x = x_in.contiguous(), packed = panels_of(weight);
+    const at::Tensor x = x_in.contiguous(), panels = panels_of(weight);
     at::Tensor out = at::empty({rows, n}, x.options());
-    const float *xp = x.data_ptr<float>(), *pp = packed.data_ptr<float>();
-    float* op = out.data_ptr<float>();
-    const int64_t panels = packed.size(0), groups = (panels + PANELS - 1) / PANELS;
-    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-        for (int64_t g = g0; g < g1; g++) {
-            const int64_t p0 = g * PANELS;
-            const float* group = pp + p0 * k * LANES;
-            switch (std::min(PANELS, panels - p0)) {
-                case 1: rows_against<1>(xp, rows, group, op, k, n, p0 * LANES); break;
-                case 2: rows_against<2>(xp, rows, group, op, k, n, p0 * LANES); break;
-                default: rows_against<3>(xp, rows, group, op, k, n, p0 * LANES); break;
-            }
-        }
-    });
+    panel_product(x.data_ptr<float>(), rows, k, panels.data_ptr<float>(), n, out.data_ptr<float>());
     return out;
 }
 
@@ -136,6 +107,30 @@ at::Tensor panel_linear_meta(const at::Tensor& x, const at::Tensor& weight) {
 }
 
 }  // namespace
+
+at::Tensor panels_of(const at::Tensor& w) {
+    std::lock_guard<std::mutex> guard(lock);
+    const auto found = copies.find(w.data_ptr());
+    if (found != copies.end() && matches(found->second, w)) return found->second.packed;
+    for (auto it = copies.begin(); it != copies.end();) it = it->second.storage.expired() ? copies.erase(it) : std::next(it);
+    Panels entry{w.storage().getWeakStorageImpl(), w.storage_offset(), version_of(w), pack(w)};
+    return copies.insert_or_assign(w.data_ptr(), std::move(entry)).first->second.packed;
+}
+
+void panel_product(const float* x, int64_t rows, int64_t k, const float* panels, int64_t n, float* out) {
+    const int64_t count = (n + LANES - 1) / LANES, groups = (count + PANELS - 1) / PANELS;
+    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+        for (int64_t g = g0; g < g1; g++) {
+            const int64_t p0 = g * PANELS;
+            const float* group = panels + p0 * k * LANES;
+            switch (std::min(PANELS, count - p0)) {
+                case 1: rows_against<1>(x, rows, group, out, k, n, p0 * LANES); break;
+                case 2: rows_against<2>(x, rows, group, out, k, n, p0 * LANES); break;
+                default: rows_against<3>(x, rows, group, out, k, n, p0 * LANES); break;
+            }
+        }
+    });
+}
 
 COMPILED_MTP_OP(panel_linear, "(Tensor x, Tensor weight) -> Tensor")
 

@@ -3,7 +3,7 @@
 // expert once per row that chose it). The rows are grouped by expert; each expert's gate and up
 // weights are read once, in blocks that every row routed to it multiplies while the block is in
 // cache, then each block of the down projection once for all its rows. See docs/passes.md.
-#include "ops.h"
+#include "panels.h"
 
 namespace compiled_mtp {
 namespace {
@@ -151,9 +151,23 @@ at::Tensor routed_experts(const at::Tensor& x_in, const at::Tensor& idx_in, cons
     return out;
 }
 
+// The dense MLP on up to 16 rows from its weights' panels: x gate^T, x up^T, the activation, then down,
+// each product a vector of outputs times a broadcast input with no reduction across lanes, where the
+// dot blocks of `kernel` spend about a third of their work reducing (see docs/passes.md,
+// fuse_dense_mlp).
+static void panel_mlp(const float* x, const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down, float* out, int64_t n, int64_t h, int64_t inter) {
+    std::vector<float> act(n * inter), ups(n * inter);
+    panel_product(x, n, h, panels_of(gate).data_ptr<float>(), inter, act.data());
+    panel_product(x, n, h, panels_of(up).data_ptr<float>(), inter, ups.data());
+    silu_mul(act.data(), ups.data(), n * inter);
+    panel_product(act.data(), n, inter, panels_of(down).data_ptr<float>(), h, out);
+}
+
 // compiled_mtp::dense_mlp: a dense SwiGLU MLP (models.deepseek_v3.dense_mlp) as one expert that every
 // row takes with weight 1: x [..., H], gate / up [I, H], down [H, I] -> [..., H]. One call reads each
-// weight once for all the rows, where three linears and the activation between them were four.
+// weight once for all the rows, where three linears and the activation between them were four. On up
+// to PANEL_MAX_ROWS rows it reads copies of the weights in panels (panels.h), on more (a prefill
+// chunk) the weights themselves through `kernel`.
 at::Tensor dense_mlp(const at::Tensor& x_in, const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down) {
     const char* op = "dense_mlp";
     TORCH_CHECK(x_in.dim() >= 1, op, ": x must have a dimension of features");
@@ -165,9 +179,13 @@ at::Tensor dense_mlp(const at::Tensor& x_in, const at::Tensor& gate, const at::T
     TORCH_CHECK(up.sizes() == gate.sizes() && gate.size(1) == h, op, ": gate and up must be [inter, ", h, "], got ", gate.sizes(), " and ", up.sizes());
     TORCH_CHECK(down.sizes() == at::IntArrayRef({h, inter}), op, ": down must be ", at::IntArrayRef({h, inter}), ", got ", down.sizes());
     const at::Tensor x = x_in.contiguous();
+    at::Tensor out = at::empty(x.sizes(), x.options());
+    if (n >= 1 && n <= PANEL_MAX_ROWS) {
+        panel_mlp(x.data_ptr<float>(), gate, up, down, out.data_ptr<float>(), n, h, inter);
+        return out;
+    }
     const std::vector<int64_t> ids(n, 0);
     const std::vector<float> ones(n, 1.f);
-    at::Tensor out = at::empty(x.sizes(), x.options());
     kernel(x.data_ptr<float>(), ids.data(), ones.data(), gate.data_ptr<float>(), up.data_ptr<float>(), down.data_ptr<float>(),
            out.data_ptr<float>(), n, 1, 1, h, inter, at::get_num_threads());
     return out;

@@ -1,0 +1,23 @@
+// Weights copied once into panels of one vector's width of outputs, and the products that read them
+// (panel_linear.cpp; dense_mlp in routed_experts.cpp on 5-16 rows). A weight [out, in] becomes
+// [ceil(out / PANEL_LANES)][in][PANEL_LANES]: each step along `in` loads one vector of a panel and
+// multiplies it by a broadcast element of each row, so every output lane keeps its own sum and
+// nothing is reduced across lanes (see docs/passes.md, panel_linear).
+#pragma once
+
+#include "ops.h"
+
+namespace compiled_mtp {
+
+constexpr int64_t PANEL_LANES = Vec::size();
+constexpr int64_t PANEL_ROW_BLOCK = 8;  // rows whose sums stay in registers
+constexpr int64_t PANEL_MAX_ROWS = 16;
+
+// The panels of `weight` (contiguous float32 [out, in]), made on its first use and kept beside it;
+// made again after an in-place update, and never served for a freed weight at the same address.
+at::Tensor panels_of(const at::Tensor& weight);
+
+// out [rows, n] = x [rows, k] W^T, reading W's panels (panels_of), on at::parallel_for's threads.
+void panel_product(const float* x, int64_t rows, int64_t k, const float* panels, int64_t n, float* out);
+
+}  // namespace compiled_mtp

@@ -3,11 +3,12 @@
 Each REV is checked out in a git worktree of its own (under --work), and one process per REV and
 round imports the engine from there (PYTHONPATH), loads its graphs from a capture cache of its own
 (built by a first, untimed round), and times the decode steps of `--prompts` held-out prompts of 64
-tokens, 64 new tokens each, at B = 1 and depth --depth on the shipped model of that commit. The
+tokens, 64 new tokens each, `--batch` at a time (default 1) at depth --depth on the shipped model of
+that commit. The
 REVs take turns within every round, so a change in the machine's memory speed meets them all; a
 REV's figure is its best round's fastest generation (ms per decode step), beside its median round.
 
-    python benchmarks/bench_commits.py HEAD~1 HEAD [--depth 3] [--rounds 3] [--draft-vocab 1024]
+    python benchmarks/bench_commits.py HEAD~1 HEAD [--depth 3] [--batch 1] [--rounds 3] [--draft-vocab 1024]
 """
 
 from __future__ import annotations
@@ -28,16 +29,18 @@ import json, sys, time
 from compiled_mtp import DEFAULT_MODEL, Runtime, SamplingParams
 from compiled_mtp.bench import bench_prompts
 depth, cache, prompts, vocab = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]) or None
+batch = int(sys.argv[5])
 rt = Runtime.from_pretrained(
-    DEFAULT_MODEL, mtp_depth=depth, batch_sizes=(1,), max_seq_len=256, cache_dir=cache, draft_vocab=vocab
+    DEFAULT_MODEL, mtp_depth=depth, batch_sizes=(batch,), max_seq_len=256, cache_dir=cache, draft_vocab=vocab
 )
 params = SamplingParams(max_new_tokens=64, ignore_eos=True)
 prompts = bench_prompts(DEFAULT_MODEL, 0, prompts, 64).token_ids
-rt.generate(prompts[:1], params)
+rt.generate(prompts[:batch], params)
 step_ms = []
-for prompt in prompts:
-    rt.add_request(prompt, params)
-    rt.step()  # the prefill
+for first in range(0, len(prompts), batch):
+    for prompt in prompts[first : first + batch]:
+        rt.add_request(prompt, params)
+    rt.step()  # the prefills
     steps, start = 0, time.perf_counter()
     while rt.has_unfinished():
         rt.step()
@@ -59,9 +62,15 @@ def checkout(rev: str, work: Path) -> Path:
 
 
 def run(tree: Path, args: argparse.Namespace) -> list[float]:
-    """Milliseconds per decode step of each prompt's generation, on `tree`'s code."""
+    """Milliseconds per decode step of each batch's generation, on `tree`'s code."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    argv = [str(args.depth), str(tree / ".capture"), str(args.prompts), str(args.draft_vocab)]
+    argv = [
+        str(args.depth),
+        str(tree / ".capture"),
+        str(args.prompts),
+        str(args.draft_vocab),
+        str(args.batch),
+    ]
     out = subprocess.run(
         [sys.executable, "-c", CHILD, *argv], env=env, capture_output=True, text=True, cwd=tree, check=False
     )
@@ -76,6 +85,7 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=1, help="prompts decoded at once (default: 1)")
     parser.add_argument("--draft-vocab", type=int, default=1024, help="0: every token")
     parser.add_argument("--work", type=Path, default=Path("/tmp/compiled_mtp_commits"))
     args = parser.parse_args()
@@ -91,7 +101,9 @@ def main() -> None:
             best[rev].append(min(run(tree, args)))
         print(f"round {r + 1}: " + "  ".join(f"{rev} {best[rev][-1]:.3f}" for rev in trees), flush=True)
     base = min(best[args.revs[0]])
-    print(f"\nms per decode step at K={args.depth}, B=1 (best of {args.rounds} rounds; median round)")
+    print(
+        f"\nms per decode step at K={args.depth}, B={args.batch} (best of {args.rounds} rounds; median round)"
+    )
     for rev in trees:
         print(
             f"  {rev:<12} {min(best[rev]):7.3f}  ({statistics.median(best[rev]):.3f})"

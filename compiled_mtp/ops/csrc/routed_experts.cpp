@@ -156,11 +156,12 @@ at::Tensor routed_experts(const at::Tensor& x_in, const at::Tensor& idx_in, cons
 // dot blocks of `kernel` spend about a third of their work reducing (see docs/passes.md,
 // fuse_dense_mlp).
 static void panel_mlp(const float* x, const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down, float* out, int64_t n, int64_t h, int64_t inter) {
-    std::vector<float> act(n * inter), ups(n * inter);
-    panel_product(x, n, h, panels_of(gate).data_ptr<float>(), inter, act.data());
-    panel_product(x, n, h, panels_of(up).data_ptr<float>(), inter, ups.data());
-    silu_mul(act.data(), ups.data(), n * inter);
-    panel_product(act.data(), n, inter, panels_of(down).data_ptr<float>(), h, out);
+    const at::Tensor scratch = at::empty({2, n * inter}, gate.options());  // written in full before read
+    float *act = scratch.data_ptr<float>(), *ups = act + n * inter;
+    panel_product(x, n, h, panels_of(gate).data_ptr<float>(), inter, act);
+    panel_product(x, n, h, panels_of(up).data_ptr<float>(), inter, ups);
+    silu_mul(act, ups, n * inter);
+    panel_product(act, n, inter, panels_of(down).data_ptr<float>(), h, out);
 }
 
 // compiled_mtp::dense_mlp: a dense SwiGLU MLP (models.deepseek_v3.dense_mlp) as one expert that every

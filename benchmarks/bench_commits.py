@@ -4,9 +4,9 @@ Each REV is checked out in a git worktree of its own (under --work), and one pro
 round imports the engine from there (PYTHONPATH), loads its graphs from a capture cache of its own
 (built by a first, untimed round), and times the decode steps of `--prompts` held-out prompts of 64
 tokens, 64 new tokens each, `--batch` at a time (default 1) at depth --depth on the shipped model of
-that commit. The
-REVs take turns within every round, so a change in the machine's memory speed meets them all; a
-REV's figure is its best round's fastest generation (ms per decode step), beside its median round.
+that commit. The REVs take turns within every round, so a change in the machine's memory speed
+meets them all; a REV's figure is its best round's fastest generation (ms per decode step), beside
+its median round.
 
     python benchmarks/bench_commits.py HEAD~1 HEAD [--depth 3] [--batch 1] [--rounds 3] [--draft-vocab 1024]
 """

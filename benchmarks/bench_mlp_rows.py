@@ -13,8 +13,9 @@ drafts) they set it.
     python benchmarks/bench_mlp_rows.py [--hidden 256] [--inter 1024] [--layers 11] [--rounds 5]
                                         [--rows 1 4 8 16] [--against REV]
 
-With `--against REV` the kernel of git revision REV is built beside this checkout's (its op renamed)
-and both run cold in turns, round after round, so a drift in memory speed meets both.
+With `--against REV` the ops of git revision REV are built beside this checkout's (in a namespace of
+their own) and both dense_mlp kernels run cold in turns, round after round, so a drift in memory
+speed meets both.
 """
 
 from __future__ import annotations
@@ -66,24 +67,29 @@ def mlp_us(x: torch.Tensor, weights: list[tuple[torch.Tensor, ...]], rounds: int
 
 
 def op_at(rev: str):
-    """dense_mlp as revision `rev` wrote it, built and registered as compiled_mtp::dense_mlp_at_rev."""
+    """dense_mlp as revision `rev` wrote it: all of its C++ ops, built in a namespace of their own
+    (torch.ops.compiled_mtp_at_rev), so that nothing clashes with this checkout's library."""
     folder = Path(tempfile.mkdtemp(prefix="mlp_rev_"))
-    for name in ("routed_experts.cpp", "ops.h"):
+    csrc = "compiled_mtp/ops/csrc"
+    names = subprocess.run(
+        ["git", "ls-tree", "--name-only", f"{rev}:{csrc}"], capture_output=True, text=True, check=True
+    ).stdout.split()
+    for name in names:
         text = subprocess.run(
-            ["git", "show", f"{rev}:compiled_mtp/ops/csrc/{name}"], capture_output=True, text=True, check=True
-        ).stdout
-        text = re.sub(r"\b(routed_experts|dense_mlp)(_meta)?\b(?=[(,])", r"\1_at_rev\2", text)
-        (folder / name).write_text(text)
+            ["git", "show", f"{rev}:{csrc}/{name}"], capture_output=True, text=True, check=True
+        )
+        # The library's and the namespace's name; schema names looked up at run time ("compiled_mtp::x") stay.
+        (folder / name).write_text(re.sub(r"\bcompiled_mtp\b(?!::)", "compiled_mtp_at_rev", text.stdout))
     cpp_extension.load(
         name=f"mlp_at_{rev.replace('~', '_').replace('^', '_')}",
-        sources=[str(folder / "routed_experts.cpp")],
+        sources=[str(folder / name) for name in names if name.endswith(".cpp")],
         extra_cflags=library._flags(),
         extra_ldflags=["-fopenmp"],
         extra_include_paths=[str(folder)],
         build_directory=str(folder),
         is_python_module=False,
     )
-    return torch.ops.compiled_mtp.dense_mlp_at_rev
+    return torch.ops.compiled_mtp_at_rev.dense_mlp
 
 
 def in_turns(ops: dict, x: torch.Tensor, weights: list, rounds: int) -> dict[str, float]:

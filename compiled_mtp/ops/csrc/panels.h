@@ -1,5 +1,5 @@
 // Weights copied once into panels of one vector's width of outputs, and the products that read them
-// (panel_linear.cpp; dense_mlp in routed_experts.cpp on 5-16 rows). A weight [out, in] becomes
+// (panel_linear.cpp; dense_mlp in routed_experts.cpp on up to 16 rows). A weight [out, in] becomes
 // [ceil(out / PANEL_LANES)][in][PANEL_LANES]: each step along `in` loads one vector of a panel and
 // multiplies it by a broadcast element of each row, so every output lane keeps its own sum and
 // nothing is reduced across lanes (see docs/passes.md, panel_linear).

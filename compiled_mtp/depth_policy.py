@@ -18,8 +18,11 @@ finish at different steps, so its last steps run the bucket for fewer rows.
 
 A cost is only as current as the last step run at that key, and the machine's speed drifts (memory
 speed here changes from minute to minute): a depth that lost once would never be measured again.
-So every `probe_every` steps of a bucket, the runner-up depth runs one step if it has not run
-since, and a cost older than that is replaced by the new measurement rather than averaged with it.
+So every depth that has not run for `probe_every` steps of a bucket runs one step, the runner-up
+first, and a cost older than that is replaced by the new measurement rather than averaged with it.
+Probing only the runner-up left a third depth whose one measurement came out high (steps soon after
+the graphs load can run slow) at that cost for good: at B=4 auto then ran K=1 on most
+steps where K=2 was about 10% faster.
 A runner-up within `close` of the current depth's value runs every `close_probe_every` steps
 instead, its cost averaged over those probes: a near tie is what one noisy measurement decides
 wrongly, and a probe of a depth worth nearly as much costs nearly nothing.
@@ -127,8 +130,15 @@ class DepthPolicy:
         runner_up = max(others, key=lambda k: value[k], default=self.current)
         near = value[runner_up] * (1 + self.close) >= value[self.current]
         every = self.close_probe_every if near else self.probe_every
-        if self._steps[bucket] - self._measured_at[bucket, runner_up] > every:
+
+        def age(k: int) -> int:
+            return self._steps[bucket] - self._measured_at[bucket, k]
+
+        if age(runner_up) > every:
             return runner_up  # one step to measure it again
+        stalest = max(others, key=age, default=self.current)
+        if age(stalest) > self.probe_every:
+            return stalest  # a cost measured too high would otherwise never be measured again
         return self.current
 
 

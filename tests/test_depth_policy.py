@@ -99,6 +99,22 @@ def test_a_depth_that_lost_on_a_stale_cost_is_measured_again():
     assert chosen[10:].count(1) == 2 and chosen[-1] == 0  # one probe of depth 1 every 9 steps
 
 
+def test_a_depth_behind_the_runner_up_on_a_stale_cost_is_measured_again():
+    """Depth 2 was measured once, slow (6.0 for a true 3.9), which put it behind depth 3 as well as
+    depth 1; probing only the runner-up (depth 3) would never run it again. Every depth not run for
+    probe_every steps runs once, the runner-up first, and depth 2's fresh cost wins."""
+    policy = DepthPolicy((1, 2, 3), probe_every=8, close=0.0)  # no near tie
+    _measured(policy, 4, {1: 3.0, 2: 6.0, 3: 5.0})
+    true_cost, rates = {1: 3.0, 2: 3.9, 3: 5.0}, [[0.84, 0.74, 0.58]]  # 1.84, 2.46 and 2.82 tokens
+    chosen = []
+    for _ in range(12):
+        k = policy.choose(4, rates, [100])
+        chosen.append(k)
+        policy.record_cost(4, k, true_cost[k])
+    assert chosen[:8] == [1] * 8 and chosen[8:10] == [3, 2]  # the runner-up, then the stalest
+    assert chosen[10:] == [2, 2] and policy.current == 2  # 2.46 / 3.9 beats 1.84 / 3.0 by 3%
+
+
 @pytest.mark.parametrize("close", [0.1, 0.0])
 def test_a_near_tie_is_probed_often_and_its_cost_averaged(close):
     """Depth 3 is 5% better than depth 2, but its one measurement came on a slow moment (1.15 for a

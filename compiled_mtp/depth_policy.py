@@ -9,7 +9,8 @@ E_K = 1 + a_1 + a_1 a_2 + ... + a_1..a_K, where a_j is the request's chance that
 given that draft j - 1 was: an exponential moving average over the request's own steps, started from
 the runtime's history (accepted over proposed at each position, smoothed towards the position before).
 cost(bucket, K) is a moving average of the wall time of the decode steps the runtime ran with that key,
-the first one left out (it compiles or loads the graphs). A key never run is tried before any choice
+the first two left out: the first compiles or loads the graphs, and the second runs on the caches
+that loading emptied (up to 60% slower than the steps after it, here). A key never run is tried before any choice
 is made from the others, so every cost is measured, never typed in. The depth changes only when
 another's value beats the current one's by `margin` (hysteresis: a near tie is within the noise of
 the estimates), or by `zero_margin` for a change to or from depth 0, which costs more than the steps
@@ -74,6 +75,7 @@ class DepthPolicy:
         self.probe_every = probe_every
         self.close = close
         self.close_probe_every = close_probe_every
+        self.unmeasured_calls = 2  # a key's first calls, never timed
         self.current = self.depths[-1]
         self._cost: dict[Key, float] = {}
         self._seen: Counter[Key] = Counter()
@@ -104,8 +106,8 @@ class DepthPolicy:
     def record_cost(self, bucket: int, depth: int, seconds: float) -> None:
         key = (bucket, depth)
         self._seen[key] += 1
-        if self._seen[key] == 1:
-            return  # the first call of a key compiles or loads its graphs
+        if self._seen[key] <= self.unmeasured_calls:
+            return  # the first loads the key's graphs, the next runs on caches the load emptied
         old = self._cost.get(key)
         stale = self._steps[bucket] - self._measured_at.get(key, 0) > self.probe_every
         self._cost[key] = seconds if old is None or stale else old + self.cost_alpha * (seconds - old)

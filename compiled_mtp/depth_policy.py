@@ -9,9 +9,9 @@ E_K = 1 + a_1 + a_1 a_2 + ... + a_1..a_K, where a_j is the request's chance that
 given that draft j - 1 was: an exponential moving average over the request's own steps, started from
 the runtime's history (accepted over proposed at each position, smoothed towards the position before).
 cost(bucket, K) is a moving average of the wall time of the decode steps the runtime ran with that key,
-the first two left out: the first compiles or loads the graphs, and the second runs on the caches
-that loading emptied (up to 60% slower than the steps after it, here). A key never run is tried before any choice
-is made from the others, so every cost is measured, never typed in. The depth changes only when
+the first UNTIMED_CALLS left out: the first compiles or loads the graphs, and the second runs on the
+caches that loading emptied (up to 60% slower than the steps after it, here). A key never run is
+tried before any choice is made from the others, so every cost is measured, never typed in. The depth changes only when
 another's value beats the current one's by `margin` (hysteresis: a near tie is within the noise of
 the estimates), or by `zero_margin` for a change to or from depth 0, which costs more than the steps
 it is timed on: leaving depth 0 first runs the MTP catch-up, and the requests of a batch that drafts
@@ -20,10 +20,9 @@ finish at different steps, so its last steps run the bucket for fewer rows.
 A cost is only as current as the last step run at that key, and the machine's speed drifts (memory
 speed here changes from minute to minute): a depth that lost once would never be measured again.
 So every depth that has not run for `probe_every` steps of a bucket runs one step, the runner-up
-first, and a cost older than that is replaced by the new measurement rather than averaged with it.
-Probing only the runner-up left a third depth whose one measurement came out high (steps soon after
-the graphs load can run slow) at that cost for good: at B=4 auto then ran K=1 on most
-steps where K=2 was about 10% faster.
+first, and a cost older than that is replaced by the new measurement rather than averaged with it:
+probing only the runner-up left a third depth whose one measurement came out high at that cost for
+good (docs/design.md gives the run).
 A runner-up within `close` of the current depth's value runs every `close_probe_every` steps
 instead, its cost averaged over those probes: a near tie is what one noisy measurement decides
 wrongly, and a probe of a depth worth nearly as much costs nearly nothing.
@@ -36,6 +35,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 Key = tuple[int, int]  # (bucket, depth)
+UNTIMED_CALLS = 2  # a key's first calls, never counted in its cost
 
 
 def expected_tokens(rates: Sequence[float], depth: int) -> float:
@@ -75,7 +75,6 @@ class DepthPolicy:
         self.probe_every = probe_every
         self.close = close
         self.close_probe_every = close_probe_every
-        self.unmeasured_calls = 2  # a key's first calls, never timed
         self.current = self.depths[-1]
         self._cost: dict[Key, float] = {}
         self._seen: Counter[Key] = Counter()
@@ -106,7 +105,7 @@ class DepthPolicy:
     def record_cost(self, bucket: int, depth: int, seconds: float) -> None:
         key = (bucket, depth)
         self._seen[key] += 1
-        if self._seen[key] <= self.unmeasured_calls:
+        if self._seen[key] <= UNTIMED_CALLS:
             return  # the first loads the key's graphs, the next runs on caches the load emptied
         old = self._cost.get(key)
         stale = self._steps[bucket] - self._measured_at.get(key, 0) > self.probe_every

@@ -5,27 +5,34 @@ committed tokens per second for the batch now running:
 
     value(K) = sum over requests of min(E_K(request), tokens it still wants) / cost(bucket, K)
 
-E_K = 1 + a_1 + a_1 a_2 + ... + a_1..a_K, where a_j is the request's chance that draft j is accepted
-given that draft j - 1 was: an exponential moving average over the request's own steps, started from
-the runtime's history (accepted over proposed at each position, smoothed towards the position before).
-cost(bucket, K) is a moving average of the wall time of the decode steps the runtime ran with that key,
-the first UNTIMED_CALLS left out: the first compiles or loads the graphs, and the second runs on the
-caches that loading emptied (up to 60% slower than the steps after it, here). A key never run is
-tried before any choice is made from the others, so every cost is measured, never typed in. The depth changes only when
-another's value beats the current one's by `margin` (hysteresis: a near tie is within the noise of
-the estimates), or by `zero_margin` for a change to or from depth 0, which costs more than the steps
-it is timed on: leaving depth 0 first runs the MTP catch-up, and the requests of a batch that drafts
-finish at different steps, so its last steps run the bucket for fewer rows.
+E_K = (1 + a_1 + a_1 a_2 + ... + a_1..a_K) * c_K, where a_j is the request's chance that draft j is
+accepted given that draft j - 1 was: an exponential moving average over the request's own steps, started
+from the runtime's history (accepted over proposed at each position, smoothed towards the position
+before). The same position accepts at different rates at different depths, because each depth's steps
+start at different places in the text, so c_K scales the request's rates by how much more (or less)
+the runtime's steps at depth K have committed than its steps at every depth: the ratio of the two
+histories' expected tokens, depth K's shrunk towards the pooled one by PSEUDO_STEPS.
 
-A cost is only as current as the last step run at that key, and the machine's speed drifts (memory
-speed here changes from minute to minute): a depth that lost once would never be measured again.
-So every depth that has not run for `probe_every` steps of a bucket runs one step, the runner-up
-first, and a cost older than that is replaced by the new measurement rather than averaged with it:
-probing only the runner-up left a third depth whose one measurement came out high at that cost for
-good (docs/design.md gives the run).
-A runner-up within `close` of the current depth's value runs every `close_probe_every` steps
-instead, its cost averaged over those probes: a near tie is what one noisy measurement decides
-wrongly, and a probe of a depth worth nearly as much costs nearly nothing.
+cost(bucket, K) is a key's wall time at a reference speed of the machine, the first UNTIMED_CALLS left
+out: the first compiles or loads the graphs, and the second runs on the caches that loading emptied (up
+to 60% slower than the steps after it, here). The machine's speed itself moves by half within a
+fraction of a second here, so a cost is only compared with costs taken at the same speed: a step at
+the depth the bucket ran last updates the bucket's speed (its time over its key's cost), and any other
+step (a probe, or the first after a change) updates its key's cost (its time over that speed). A key
+never run is tried before any choice is made from the others, so every cost is measured, never typed
+in: each key's two untimed calls run back to back, then every key's first timed step, in a row, at
+one speed. The depth changes only when another's value beats the current one's by `margin`
+(hysteresis: a near tie is within the noise of the estimates), or by `zero_margin` for a change to or
+from depth 0, which costs more than the steps it is timed on: leaving depth 0 first runs the MTP
+catch-up, and the requests of a batch that drafts finish at different steps, so its last steps run
+the bucket for fewer rows.
+
+A cost is only as current as the last step run at that key: a depth that lost once would never be
+measured again. So every depth not run for `probe_every` steps of a bucket runs one step, and a cost
+older than that is replaced by the new measurement rather than averaged with it; every depth within
+`close` of the current one's value runs every `close_probe_every` steps, its cost averaged over
+those probes: a near tie is what one noisy measurement decides wrongly, and a probe of a depth worth
+nearly as much costs nearly nothing. Of the depths due, the most valuable runs first.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from collections.abc import Sequence
 
 Key = tuple[int, int]  # (bucket, depth)
 UNTIMED_CALLS = 2  # a key's first calls, never counted in its cost
+PSEUDO_STEPS = 16  # the pooled history's weight, in steps, in a depth's own acceptance rates
 
 
 def expected_tokens(rates: Sequence[float], depth: int) -> float:
@@ -61,6 +69,7 @@ class DepthPolicy:
         *,
         request_alpha: float = 0.3,
         cost_alpha: float = 0.2,
+        speed_alpha: float = 0.3,
         margin: float = 0.02,
         zero_margin: float = 0.05,
         probe_every: int = 64,
@@ -70,56 +79,82 @@ class DepthPolicy:
         self.depths = tuple(sorted(depths))
         self.request_alpha = request_alpha
         self.cost_alpha = cost_alpha
+        self.speed_alpha = speed_alpha
         self.margin = margin
         self.zero_margin = zero_margin
         self.probe_every = probe_every
         self.close = close
         self.close_probe_every = close_probe_every
         self.current = self.depths[-1]
-        self._cost: dict[Key, float] = {}
+        self._cost: dict[Key, float] = {}  # seconds at the bucket's speed 1
+        self._speed: dict[int, float] = {}  # each bucket's time over its keys' costs, lately
+        self._last: dict[int, int] = {}  # the depth of each bucket's last step
         self._seen: Counter[Key] = Counter()
         self._steps: Counter[int] = Counter()  # choices made per bucket
         # The bucket's step count when each key's cost was last measured.
         self._measured_at: dict[Key, int] = {}
-        width = self.depths[-1]
-        self._proposed = [0] * width
-        self._accepted = [0] * width
+        # Drafts proposed and accepted at each position, by the depth of the step.
+        self._proposed = {k: [0] * k for k in self.depths}
+        self._accepted = {k: [0] * k for k in self.depths}
 
     def prior(self) -> list[float]:
         """Acceptance per position from every step so far, each smoothed towards the one before."""
+        width = self.depths[-1]
         rates, previous = [], 0.5
-        for proposed, accepted in zip(self._proposed, self._accepted):
+        for j in range(width):
+            proposed = sum(p[j] for p in self._proposed.values() if j < len(p))
+            accepted = sum(a[j] for a in self._accepted.values() if j < len(a))
             previous = (accepted + 2 * previous) / (proposed + 2)
             rates.append(previous)
         return rates
+
+    def calibration(self) -> dict[int, float]:
+        """c_K for every depth: expected tokens from depth K's own steps over those from all steps."""
+        pooled = self.prior()
+        out = {}
+        for k in self.depths:
+            own = [
+                (a + PSEUDO_STEPS * r) / (p + PSEUDO_STEPS)
+                for p, a, r in zip(self._proposed[k], self._accepted[k], pooled)
+            ]
+            out[k] = expected_tokens(own, k) / expected_tokens(pooled, k)
+        return out
 
     def observe(self, rates: list[float], depth: int, accepted: int) -> None:
         """One request's step at `depth` with `accepted` drafts accepted: update its rates in place and
         the history. Positions past the first rejection were not tested and stay as they were."""
         for j in range(min(accepted + 1, depth)):
             hit = j < accepted
-            self._proposed[j] += 1
-            self._accepted[j] += hit
+            self._proposed[depth][j] += 1
+            self._accepted[depth][j] += hit
             rates[j] += self.request_alpha * (hit - rates[j])
 
     def record_cost(self, bucket: int, depth: int, seconds: float) -> None:
         key = (bucket, depth)
         self._seen[key] += 1
+        steady, self._last[bucket] = self._last.get(bucket) == depth, depth
         if self._seen[key] <= UNTIMED_CALLS:
             return  # the first loads the key's graphs, the next runs on caches the load emptied
-        old = self._cost.get(key)
+        speed, old = self._speed.get(bucket, 1.0), self._cost.get(key)
         stale = self._steps[bucket] - self._measured_at.get(key, 0) > self.probe_every
-        self._cost[key] = seconds if old is None or stale else old + self.cost_alpha * (seconds - old)
+        if old is None or stale:
+            self._cost[key] = seconds / speed
+        elif steady:  # the machine's speed moved, not the key's cost
+            self._speed[bucket] = speed + self.speed_alpha * (seconds / old - speed)
+        else:
+            self._cost[key] = old + self.cost_alpha * (seconds / speed - old)
         self._measured_at[key] = self._steps[bucket]
 
     def choose(self, bucket: int, rates: Sequence[Sequence[float]], remaining: Sequence[int]) -> int:
         """The depth for the next step of a batch in `bucket`: its requests' rates and wanted tokens."""
+        loading = [k for k in self.depths if self._seen[bucket, k] < UNTIMED_CALLS]
         untried = [k for k in self.depths if (bucket, k) not in self._cost]
-        if untried:
-            return untried[0]
+        if loading or untried:
+            return (loading or untried)[0]  # each key's first timing back to back, at one speed
         expected = [_expected_by_depth(r, self.depths[-1]) for r in rates]
+        scale = self.calibration()
         value = {
-            k: sum(min(e[k], n) for e, n in zip(expected, remaining)) / self._cost[bucket, k]
+            k: sum(min(e[k] * scale[k], n) for e, n in zip(expected, remaining)) / self._cost[bucket, k]
             for k in self.depths
         }
         best = max(self.depths, key=lambda k: value[k])
@@ -127,20 +162,14 @@ class DepthPolicy:
         if value[best] > value[self.current] * (1 + margin):
             self.current = best
         self._steps[bucket] += 1
-        others = [k for k in self.depths if k != self.current]
-        runner_up = max(others, key=lambda k: value[k], default=self.current)
-        near = value[runner_up] * (1 + self.close) >= value[self.current]
-        every = self.close_probe_every if near else self.probe_every
 
-        def age(k: int) -> int:
-            return self._steps[bucket] - self._measured_at[bucket, k]
+        def due(k: int) -> bool:
+            near = value[k] * (1 + self.close) >= value[self.current]
+            every = self.close_probe_every if near else self.probe_every
+            return self._steps[bucket] - self._measured_at[bucket, k] > every
 
-        if age(runner_up) > every:
-            return runner_up  # one step to measure it again
-        stalest = max(others, key=age, default=self.current)
-        if age(stalest) > self.probe_every:
-            return stalest  # a cost measured too high would otherwise never be measured again
-        return self.current
+        probes = [k for k in self.depths if k != self.current and due(k)]
+        return max(probes, key=lambda k: value[k], default=self.current)
 
 
 def depth_arg(text: str) -> int | str:

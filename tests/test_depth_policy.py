@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -30,13 +31,15 @@ def _measured(policy: DepthPolicy, bucket: int, costs: dict[int, float]) -> None
 
 
 def test_every_depth_is_measured_before_any_is_chosen_on_merit():
+    """Each key's two untimed calls run back to back (a load, then a run on the caches it emptied);
+    then every key's first timed step, in a row, so that they meet the machine at one speed."""
     policy = DepthPolicy((0, 1, 3))
     tried = []
     for _ in range(9):
         k = policy.choose(1, [[0.9] * 3], [100])
         tried.append(k)
         policy.record_cost(1, k, 0.001)
-    assert tried == [0, 0, 0, 1, 1, 1, 3, 3, 3]
+    assert tried == [0, 0, 1, 1, 3, 3, 0, 1, 3]
     assert policy.choose(2, [[0.9] * 3], [100]) == 0  # another bucket is measured on its own
 
 
@@ -75,12 +78,51 @@ def test_speculation_is_chosen_when_it_pays_and_dropped_when_it_does_not():
 
 
 def test_costs_follow_the_measurements():
-    policy = DepthPolicy((0, 2), cost_alpha=0.5)
+    """Depth 2 became slow and depth 0 did not. Depth 2's own steps cannot tell that from a slower
+    machine; the next step of depth 0, timed against them, can."""
+    policy = DepthPolicy((0, 2), probe_every=4, close=0.0)
     _measured(policy, 1, {0: 1.0, 2: 1.2})
-    assert policy.choose(1, [[0.5, 0.5]], [100]) == 2  # 1.75 / 1.2 > 1 / 1.0
-    for _ in range(8):  # depth 2 became slow: its cost moves to the new measurements
-        policy.record_cost(1, 2, 3.0)
-    assert policy.choose(1, [[0.5, 0.5]], [100]) == 0
+    true_cost, chosen = {0: 1.0, 2: 3.0}, []
+    for _ in range(8):
+        k = policy.choose(1, [[0.5, 0.5]], [100])  # 1.75 tokens at depth 2, 1 at depth 0
+        chosen.append(k)
+        policy.record_cost(1, k, true_cost[k])
+    assert chosen == [2] * 4 + [0] * 4  # 1.75 / 1.2 > 1 / 1.0, until depth 0 ran at 1.0 against 3.0
+
+
+def test_a_slower_machine_changes_no_choice():
+    """Depth 3 is 5% better than depth 2. The machine then runs 1.5 times slower for 20 steps, and
+    the probe of depth 2 falls there: timed against depth 3's steps of the same moment, it stays
+    behind. Averaging the probe's raw time with depth 2's cost from the fast moment would put depth 2
+    ahead (1.1 against depth 3's 1.56)."""
+    policy = DepthPolicy((2, 3), close_probe_every=8)
+    _measured(policy, 1, {2: 1.0, 3: 1.04})
+    true_cost, rates = {2: 1.0, 3: 1.04}, [[0.86, 0.62, 0.42]]  # 2.39 tokens for 1.0, 2.62 for 1.04
+    chosen = []
+    for step in range(60):
+        k = policy.choose(1, rates, [100])
+        chosen.append(k)
+        policy.record_cost(1, k, true_cost[k] * (1.5 if 4 <= step < 24 else 1.0))
+    assert set(chosen) == {2, 3} and policy.current == 3
+    assert [step for step, k in enumerate(chosen) if k == 2] == [8, 17, 26, 35, 44, 53]  # probes only
+
+
+def test_each_depth_is_valued_at_its_own_steps_acceptance():
+    """Steps at depth 3 accept their first draft more often (0.9) than steps at depth 1 (0.7):
+    each depth's steps start at different places in the text. Pooled rates would value depth 1
+    best; each depth's own history shows depth 3 is."""
+    policy = DepthPolicy((1, 3), close=0.0)
+    _measured(policy, 1, {1: 1.0, 3: 1.5})
+    random = np.random.default_rng(0)
+    for _ in range(200):
+        policy.observe([0.5] * 3, 1, int(random.random() < 0.7))
+        first, second, third = random.random(3) < [0.9, 0.6, 0.5]
+        policy.observe([0.5] * 3, 3, first * (1 + second * (1 + third)))
+    pooled = policy.prior()
+    assert expected_tokens(pooled, 3) / 1.5 < expected_tokens(pooled, 1) / 1.0
+    scale = policy.calibration()
+    assert scale[1] < 1 < scale[3]
+    assert policy.choose(1, [pooled], [100]) == 3
 
 
 def test_a_depth_that_lost_on_a_stale_cost_is_measured_again():

@@ -1,0 +1,152 @@
+"""What `mtp_depth="auto"` saw and chose at each decode step of one batch size, beside fixed depths.
+
+The bench's systems (one runtime per depth and one at "auto" over them, the shipped model drafting
+among its 1024 most frequent tokens) generate from the bench's first B held-out prompts: each
+warmed up at B=1 and at B (as the bench runs them), then `--rounds` rounds in turns. For every
+decode step of auto's bucket after its first timings, a line: the depth run, the depth the policy
+holds, the batch's expected tokens at each depth (calibrated), each depth's cost at the policy's
+reference speed (ms), their values and the step's own wall time. Then each runtime's conditional
+acceptance per draft position, from the steps it ran, and the whole generations' times. With
+`--switch HELD PROBE`, auto's runtime then runs a fixed schedule of depths, and its step times are
+summed up by their place after a change of depth.
+
+    python benchmarks/auto_trace.py [--batch 4] [--rounds 3] [--cache-dir DIR] [--switch 3 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+
+import torch
+
+from compiled_mtp.bench import _runtimes, add_arguments, bench_prompts
+from compiled_mtp.depth_policy import DepthPolicy, expected_tokens
+from compiled_mtp.models.checkpoint import load_model
+from compiled_mtp.models.draft_vocab import read_ranking
+from compiled_mtp.runtime import DTYPES, Runtime, SamplingParams
+
+
+def conditional_rates(policy: DepthPolicy) -> list[str]:
+    """Accepted over proposed at each position, pooled over the depths the runtime ran."""
+    proposed = [sum(p[j] for p in policy._proposed.values() if j < len(p)) for j in range(max(policy.depths))]
+    accepted = [sum(a[j] for a in policy._accepted.values() if j < len(a)) for j in range(max(policy.depths))]
+    return [f"{a / p:.3f}" if p else "-" for p, a in zip(proposed, accepted)]
+
+
+def traced(policy: DepthPolicy, bucket: int, lines: list[str]) -> None:
+    """Log every choice at `bucket` once each depth has a cost, and the wall time recorded after it."""
+    choose, record = policy.choose, policy.record_cost
+
+    def logged_choose(b: int, rates: Sequence[Sequence[float]], remaining: Sequence[int]) -> int:
+        depth = choose(b, rates, remaining)
+        if b == bucket and all((b, k) in policy._cost for k in policy.depths):
+            scale = policy.calibration()
+            tokens = {
+                k: sum(min(expected_tokens(r, k) * scale[k], n) for r, n in zip(rates, remaining))
+                for k in policy.depths
+            }
+            cost = {k: 1e3 * policy._cost[b, k] for k in policy.depths}
+            lines.append(
+                f"{depth:>3} {policy.current:>4}  "
+                + "  ".join(f"{tokens[k]:5.2f}" for k in policy.depths)
+                + " |"
+                + "  ".join(f"{cost[k]:5.2f}" for k in policy.depths)
+                + " |"
+                + "  ".join(f"{tokens[k] / cost[k]:5.3f}" for k in policy.depths)
+            )
+        return depth
+
+    def logged_record(b: int, depth: int, seconds: float) -> None:
+        if b == bucket and lines and not lines[-1].endswith("ms"):
+            lines[-1] += f" | {1e3 * seconds:5.2f} ms"
+        record(b, depth, seconds)
+
+    policy.choose, policy.record_cost = logged_choose, logged_record  # type: ignore[method-assign]
+
+
+def switch_costs(
+    rt: Runtime, prompts: list[list[int]], params: SamplingParams, held: int, probe: int
+) -> None:
+    """Does a step right after a change of depth cost more? Auto's choices replaced by a schedule
+    (14 steps at `held`, then 2 at `probe`, over and over) for 16 generations; the median step time
+    of each depth by its place after a change."""
+    policy, bucket = rt._policy, len(prompts)
+    schedule = itertools.cycle([held] * 14 + [probe] * 2)
+    timed: list[tuple[int, float]] = []
+    record = policy.record_cost
+    policy.choose = lambda b, rates, remaining: next(schedule)  # type: ignore[method-assign]
+
+    def logged_record(b: int, depth: int, seconds: float) -> None:
+        if b == bucket:
+            timed.append((depth, seconds))
+        record(b, depth, seconds)
+
+    policy.record_cost = logged_record  # type: ignore[method-assign]
+    for _ in range(16):
+        rt.generate(prompts, params)
+    places: dict[tuple[int, str], list[float]] = defaultdict(list)
+    for i, (depth, seconds) in enumerate(timed[1:], start=1):
+        run = next((n for n in range(1, i + 1) if timed[i - n][0] != depth), i + 1)  # steps at depth so far
+        places[depth, "first" if run == 1 else "second" if run == 2 else "held"].append(1e3 * seconds)
+    print(f"\nB={bucket}, 14 steps at K={held} then 2 at K={probe}: median ms by place after a change")
+    for (depth, place), times in sorted(places.items()):
+        print(f"  K={depth} {place:<6} {statistics.median(times):7.3f}  ({len(times)} steps)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=4, help="prompts generated at once (default: 4)")
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds in turns (default: 3)")
+    parser.add_argument("--cache-dir", default=None, help="capture cache (default: the user's)")
+    parser.add_argument(
+        "--switch",
+        type=int,
+        nargs=2,
+        metavar=("HELD", "PROBE"),
+        help="then time steps after a change of depth: 14 at HELD, 2 at PROBE, repeated",
+    )
+    args = parser.parse_args()
+    bench_args = argparse.ArgumentParser()
+    add_arguments(bench_args)
+    bench = bench_args.parse_args(
+        ["--depths", "0", "1", "2", "3", "--batch-sizes", "1", str(args.batch), "--new-tokens", "64"]
+        + ["--draft-vocab", "1024"]
+        + (["--cache-dir", args.cache_dir] if args.cache_dir else [])
+    )
+    model = load_model(bench.model, dtype=DTYPES[bench.dtype], device=bench.device, with_mtp=True)
+    model.restrict_drafts(torch.tensor(read_ranking(bench.model, model.cfg.vocab_size)[: bench.draft_vocab]))
+    prompts = bench_prompts(bench.model, model.cfg.vocab_size, args.batch, bench.prompt_len).token_ids
+    runtimes = _runtimes(model, bench)
+    lines: list[str] = []
+    traced(runtimes["auto"]._policy, args.batch, lines)
+    params = SamplingParams(max_new_tokens=bench.new_tokens, ignore_eos=True)
+    seconds: dict[int | str, list[float]] = {k: [] for k in runtimes}
+    for rt in runtimes.values():  # warm-up, B=1 first as the bench runs it: a batch's last steps run there
+        rt.generate(prompts[:1], params)
+        rt.generate(prompts, params)
+    for r in range(args.rounds):
+        lines.append(f"round {r}")
+        for k, rt in runtimes.items():
+            start = time.perf_counter()
+            rt.generate(prompts, params)
+            seconds[k].append(time.perf_counter() - start)
+    depths = runtimes["auto"]._policy.depths
+    print(f"B={args.batch}: depth run, depth held | tokens | cost ms | value, at depths {depths} | step ms")
+    print("\n".join(lines))
+    print("\nconditional acceptance per position, from each runtime's own steps:")
+    for k, rt in runtimes.items():
+        print(f"  K={k}: {' '.join(conditional_rates(rt._policy))}")
+    print("\ngeneration ms (warm-up excluded):")
+    for k, times in seconds.items():
+        print(f"  K={k}: " + " ".join(f"{1e3 * t:.1f}" for t in times) + f"  best {1e3 * min(times):.1f}")
+    if args.switch:
+        switch_costs(runtimes["auto"], prompts, params, *args.switch)
+
+
+if __name__ == "__main__":
+    main()

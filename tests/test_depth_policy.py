@@ -4,6 +4,7 @@ greedy exactness and distribution under auto are in test_engine.py and test_dist
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -28,6 +29,22 @@ def _measured(policy: DepthPolicy, bucket: int, costs: dict[int, float]) -> None
         policy.record_cost(bucket, k, 100.0)  # the first call compiles: never counted
         policy.record_cost(bucket, k, 50.0)  # the second runs on emptied caches: never counted
         policy.record_cost(bucket, k, seconds)
+
+
+def _served(
+    policy: DepthPolicy,
+    bucket: int,
+    rates: list[list[float]],
+    steps: int,
+    seconds: Callable[[int, int], float],
+) -> list[int]:
+    """The depths the policy chooses over `steps` steps, each timed at seconds(step, depth)."""
+    chosen = []
+    for step in range(steps):
+        k = policy.choose(bucket, rates, [100])
+        chosen.append(k)
+        policy.record_cost(bucket, k, seconds(step, k))
+    return chosen
 
 
 def test_every_depth_is_measured_before_any_is_chosen_on_merit():
@@ -82,11 +99,10 @@ def test_costs_follow_the_measurements():
     machine; the next step of depth 0, timed against them, can."""
     policy = DepthPolicy((0, 2), probe_every=4, close=0.0)
     _measured(policy, 1, {0: 1.0, 2: 1.2})
-    true_cost, chosen = {0: 1.0, 2: 3.0}, []
-    for _ in range(8):
-        k = policy.choose(1, [[0.5, 0.5]], [100])  # 1.75 tokens at depth 2, 1 at depth 0
-        chosen.append(k)
-        policy.record_cost(1, k, true_cost[k])
+    true_cost = {0: 1.0, 2: 3.0}
+    chosen = _served(
+        policy, 1, [[0.5, 0.5]], 8, lambda step, k: true_cost[k]
+    )  # 1.75 tokens at depth 2, 1 at 0
     assert chosen == [2] * 4 + [0] * 4  # 1.75 / 1.2 > 1 / 1.0, until depth 0 ran at 1.0 against 3.0
 
 
@@ -98,11 +114,7 @@ def test_a_slower_machine_changes_no_choice():
     policy = DepthPolicy((2, 3), close_probe_every=8)
     _measured(policy, 1, {2: 1.0, 3: 1.04})
     true_cost, rates = {2: 1.0, 3: 1.04}, [[0.86, 0.62, 0.42]]  # 2.39 tokens for 1.0, 2.62 for 1.04
-    chosen = []
-    for step in range(60):
-        k = policy.choose(1, rates, [100])
-        chosen.append(k)
-        policy.record_cost(1, k, true_cost[k] * (1.5 if 4 <= step < 24 else 1.0))
+    chosen = _served(policy, 1, rates, 60, lambda step, k: true_cost[k] * (1.5 if 4 <= step < 24 else 1.0))
     assert set(chosen) == {2, 3} and policy.current == 3
     assert [step for step, k in enumerate(chosen) if k == 2] == [8, 17, 26, 35, 44, 53]  # probes only
 
@@ -132,11 +144,7 @@ def test_a_depth_that_lost_on_a_stale_cost_is_measured_again():
     policy = DepthPolicy((0, 1), probe_every=8, close=0.0)  # no near tie (next test)
     _measured(policy, 4, {0: 10.0, 1: 2.0})
     true_cost = {0: 1.0, 1: 2.0}  # 1 token for 1.0 beats 1.84 for 2.0
-    chosen = []
-    for _ in range(30):
-        k = policy.choose(4, [[0.84]], [100])
-        chosen.append(k)
-        policy.record_cost(4, k, true_cost[k])
+    chosen = _served(policy, 4, [[0.84]], 30, lambda step, k: true_cost[k])
     assert chosen[:8] == [1] * 8 and chosen[8] == 0  # the probe of the stale depth
     assert chosen[9] == 0 and policy.current == 0  # its fresh cost won at once
     assert chosen[10:].count(1) == 2 and chosen[-1] == 0  # one probe of depth 1 every 9 steps
@@ -149,11 +157,7 @@ def test_a_depth_behind_the_runner_up_on_a_stale_cost_is_measured_again():
     policy = DepthPolicy((1, 2, 3), probe_every=8, close=0.0)  # no near tie
     _measured(policy, 4, {1: 3.0, 2: 6.0, 3: 5.0})
     true_cost, rates = {1: 3.0, 2: 3.9, 3: 5.0}, [[0.84, 0.74, 0.58]]  # 1.84, 2.46 and 2.82 tokens
-    chosen = []
-    for _ in range(12):
-        k = policy.choose(4, rates, [100])
-        chosen.append(k)
-        policy.record_cost(4, k, true_cost[k])
+    chosen = _served(policy, 4, rates, 12, lambda step, k: true_cost[k])
     assert chosen[:8] == [1] * 8 and chosen[8:10] == [3, 2]  # the runner-up, then the stalest
     assert chosen[10:] == [2, 2] and policy.current == 2  # 2.46 / 3.9 beats 1.84 / 3.0 by 3%
 
@@ -167,11 +171,7 @@ def test_a_near_tie_is_probed_often_and_its_cost_averaged(close):
     policy = DepthPolicy((2, 3), margin=0.02, close=close, close_probe_every=4, probe_every=64)
     _measured(policy, 1, {2: 1.0, 3: 1.15})
     true_cost, rates = {2: 1.0, 3: 1.04}, [[0.86, 0.62, 0.42]]  # 2.39 tokens for 1.0, 2.62 for 1.04
-    chosen = []
-    for _ in range(40):
-        k = policy.choose(1, rates, [100])
-        chosen.append(k)
-        policy.record_cost(1, k, true_cost[k])
+    chosen = _served(policy, 1, rates, 40, lambda step, k: true_cost[k])
     if close:
         assert chosen[:10] == [2, 2, 2, 2, 3] * 2  # a probe every 5 steps
         assert policy.current == 3 and chosen.index(3) < 5 and chosen[-10:] == [3, 3, 3, 2, 3] * 2

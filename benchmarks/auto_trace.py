@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from compiled_mtp.bench import _runtimes, add_arguments, bench_prompts
-from compiled_mtp.depth_policy import DepthPolicy, expected_tokens
+from compiled_mtp.depth_policy import DepthPolicy
 from compiled_mtp.models.checkpoint import load_model
 from compiled_mtp.models.draft_vocab import read_ranking
 from compiled_mtp.runtime import DTYPES, Runtime, SamplingParams
@@ -45,11 +45,7 @@ def traced(policy: DepthPolicy, bucket: int, lines: list[str]) -> None:
     def logged_choose(b: int, rates: Sequence[Sequence[float]], remaining: Sequence[int]) -> int:
         depth = choose(b, rates, remaining)
         if b == bucket and all((b, k) in policy._cost for k in policy.depths):
-            scale = policy.calibration()
-            tokens = {
-                k: sum(min(expected_tokens(r, k) * scale[k], n) for r, n in zip(rates, remaining))
-                for k in policy.depths
-            }
+            tokens = policy.expected(rates, remaining)
             cost = {k: 1e3 * policy._cost[b, k] for k in policy.depths}
             lines.append(
                 f"{depth:>3} {policy.current:>4}  "

@@ -145,18 +145,21 @@ class DepthPolicy:
             self._cost[key] = old + self.cost_alpha * (seconds / speed - old)
         self._measured_at[key] = self._steps[bucket]
 
+    def expected(self, rates: Sequence[Sequence[float]], remaining: Sequence[int]) -> dict[int, float]:
+        """Tokens a batch is expected to commit in one step at each depth: its requests' rates,
+        calibrated for the depth, each request's count capped at the tokens it still wants."""
+        per_request = [_expected_by_depth(r, self.depths[-1]) for r in rates]
+        scale = self.calibration()
+        return {k: sum(min(e[k] * scale[k], n) for e, n in zip(per_request, remaining)) for k in self.depths}
+
     def choose(self, bucket: int, rates: Sequence[Sequence[float]], remaining: Sequence[int]) -> int:
         """The depth for the next step of a batch in `bucket`: its requests' rates and wanted tokens."""
         loading = [k for k in self.depths if self._seen[bucket, k] < UNTIMED_CALLS]
         untried = [k for k in self.depths if (bucket, k) not in self._cost]
         if loading or untried:
             return (loading or untried)[0]  # each key's first timing back to back, at one speed
-        expected = [_expected_by_depth(r, self.depths[-1]) for r in rates]
-        scale = self.calibration()
-        value = {
-            k: sum(min(e[k] * scale[k], n) for e, n in zip(expected, remaining)) / self._cost[bucket, k]
-            for k in self.depths
-        }
+        tokens = self.expected(rates, remaining)
+        value = {k: tokens[k] / self._cost[bucket, k] for k in self.depths}
         best = max(self.depths, key=lambda k: value[k])
         margin = self.zero_margin if 0 in (best, self.current) else self.margin
         if value[best] > value[self.current] * (1 + margin):

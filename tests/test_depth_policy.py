@@ -99,10 +99,8 @@ def test_costs_follow_the_measurements():
     machine; the next step of depth 0, timed against them, can."""
     policy = DepthPolicy((0, 2), probe_every=4, close=0.0)
     _measured(policy, 1, {0: 1.0, 2: 1.2})
-    true_cost = {0: 1.0, 2: 3.0}
-    chosen = _served(
-        policy, 1, [[0.5, 0.5]], 8, lambda step, k: true_cost[k]
-    )  # 1.75 tokens at depth 2, 1 at 0
+    true_cost = {0: 1.0, 2: 3.0}  # for 1.75 tokens at depth 2, 1 at depth 0
+    chosen = _served(policy, 1, [[0.5, 0.5]], 8, lambda step, k: true_cost[k])
     assert chosen == [2] * 4 + [0] * 4  # 1.75 / 1.2 > 1 / 1.0, until depth 0 ran at 1.0 against 3.0
 
 

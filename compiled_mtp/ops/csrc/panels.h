@@ -17,6 +17,9 @@ constexpr int64_t PANEL_MAX_ROWS = 16;
 // made again after an in-place update, and never served for a freed weight at the same address.
 at::Tensor panels_of(const at::Tensor& weight);
 
+// Panels [q0, q1) of out [rows, n] = x [rows, k] W^T, on the calling thread.
+void panel_run(const float* x, int64_t rows, int64_t k, const float* panels, int64_t n, float* out, int64_t q0, int64_t q1);
+
 // out [rows, n] = x [rows, k] W^T, reading W's panels (panels_of), on at::parallel_for's threads.
 void panel_product(const float* x, int64_t rows, int64_t k, const float* panels, int64_t n, float* out);
 

@@ -3,6 +3,8 @@
 // expert once per row that chose it). The rows are grouped by expert; each expert's gate and up
 // weights are read once, in blocks that every row routed to it multiplies while the block is in
 // cache, then each block of the down projection once for all its rows. See docs/passes.md.
+#include <omp.h>
+
 #include "panels.h"
 
 namespace compiled_mtp {
@@ -154,14 +156,24 @@ at::Tensor routed_experts(const at::Tensor& x_in, const at::Tensor& idx_in, cons
 // The dense MLP on up to 16 rows from its weights' panels: x gate^T, x up^T, the activation, then down,
 // each product a vector of outputs times a broadcast input with no reduction across lanes, where the
 // dot blocks of `kernel` spend about a third of their work reducing (see docs/passes.md,
-// fuse_dense_mlp).
+// fuse_dense_mlp). One parallel region: each thread takes the activation of its own run of
+// intermediate columns (gate, up, silu), and after one barrier its own run of outputs of down.
 static void panel_mlp(const float* x, const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down, float* out, int64_t n, int64_t h, int64_t inter) {
     const at::Tensor scratch = at::empty({2, n * inter}, gate.options());  // written in full before read
     float *act = scratch.data_ptr<float>(), *ups = act + n * inter;
-    panel_product(x, n, h, panels_of(gate).data_ptr<float>(), inter, act);
-    panel_product(x, n, h, panels_of(up).data_ptr<float>(), inter, ups);
-    silu_mul(act, ups, n * inter);
-    panel_product(act, n, inter, panels_of(down).data_ptr<float>(), h, out);
+    const float *g = panels_of(gate).data_ptr<float>(), *u = panels_of(up).data_ptr<float>(), *d = panels_of(down).data_ptr<float>();
+    const int64_t inner = (inter + PANEL_LANES - 1) / PANEL_LANES, outer = (h + PANEL_LANES - 1) / PANEL_LANES;
+    #pragma omp parallel num_threads(at::get_num_threads())
+    {
+        const int64_t t = omp_get_thread_num(), threads = omp_get_num_threads();
+        const int64_t q0 = inner * t / threads, q1 = inner * (t + 1) / threads;
+        panel_run(x, n, h, g, inter, act, q0, q1);
+        panel_run(x, n, h, u, inter, ups, q0, q1);
+        const int64_t c0 = q0 * PANEL_LANES, c1 = std::min(q1 * PANEL_LANES, inter);
+        for (int64_t r = 0; r < n && c1 > c0; r++) silu_mul(act + r * inter + c0, ups + r * inter + c0, c1 - c0);
+        #pragma omp barrier
+        panel_run(act, n, inter, d, h, out, outer * t / threads, outer * (t + 1) / threads);
+    }
 }
 
 // compiled_mtp::dense_mlp: a dense SwiGLU MLP (models.deepseek_v3.dense_mlp) as one expert that every

@@ -1,9 +1,9 @@
 """The linears of a verify of a few rows, each op that could run them, cold, in turns.
 
-`compiled_mtp::panel_linear` (what panel_linear puts in a graph for 5-16 rows), `F.linear` (MKL's
-GEMM, what Inductor calls for the small weights), the packed oneDNN `compiled_mtp::linear` (what
-packed_linear puts in for the large ones) and, on 1-4 rows, `compiled_mtp::few_row_linear` (what
-narrow_linear puts in for the large ones there).
+`compiled_mtp::panel_linear` (what panel_linear puts in a graph for 5-16 rows, and narrow_linear for
+weights of 2^18+ elements on 2-4 rows), `F.linear` (MKL's GEMM, what Inductor calls for the small
+weights) and the packed oneDNN `compiled_mtp::linear` (what packed_linear puts in for the large
+ones).
 
 The default model's attention projections (q_a, q_b, kv_a and o of its 12 layers: 48 weights) run
 one after the other, and its 4096 x 256 LM head alone; before each pass a 40 MB write evicts them
@@ -32,10 +32,8 @@ Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def forms(rows: int) -> dict[str, Linear]:
-    few = {"few_row_linear": torch.ops.compiled_mtp.few_row_linear} if rows <= 4 else {}
     return {
         "panel_linear": torch.ops.compiled_mtp.panel_linear,
-        **few,
         "F.linear (MKL)": F.linear,
         "oneDNN packed": lambda x, w: torch.ops.compiled_mtp.linear(x, w, None),
     }

@@ -4,7 +4,7 @@ form the ops had before (a Python function registered as the op's kernel, which 
 code), on the same kernel and the same work, timed in turns.
 
 A graph of `--calls` few-row linears on small weights (so the kernel's own work is small) is compiled
-twice with AOTInductor: once calling `compiled_mtp::few_row_linear`, once a Python-registered op
+twice with AOTInductor: once calling `compiled_mtp::panel_linear`, once a Python-registered op
 that calls it. Each graph's time per call, less a graph without the calls, is the per-call cost.
 One thread, so that OpenMP's barriers do not enter the figure.
 
@@ -24,15 +24,15 @@ from torch import Tensor
 
 from compiled_mtp.ops import library
 
-torch.library.define("bench_op_calls::few_row_linear_from_python", "(Tensor x, Tensor weight) -> Tensor")
+torch.library.define("bench_op_calls::panel_linear_from_python", "(Tensor x, Tensor weight) -> Tensor")
 
 
-@torch.library.impl("bench_op_calls::few_row_linear_from_python", "CompositeExplicitAutograd")
+@torch.library.impl("bench_op_calls::panel_linear_from_python", "CompositeExplicitAutograd")
 def _from_python(x: Tensor, weight: Tensor) -> Tensor:
-    return torch.ops.compiled_mtp.few_row_linear.default(x, weight)
+    return torch.ops.compiled_mtp.panel_linear.default(x, weight)
 
 
-@torch.library.register_fake("bench_op_calls::few_row_linear_from_python")
+@torch.library.register_fake("bench_op_calls::panel_linear_from_python")
 def _(x: Tensor, weight: Tensor) -> Tensor:
     return x.new_empty(x.shape[0], weight.shape[0])
 
@@ -69,8 +69,8 @@ def main() -> None:
     torch.manual_seed(0)
     x = torch.randn(4, 16)
     forms = {
-        "C++ op (TORCH_LIBRARY)": torch.ops.compiled_mtp.few_row_linear.default,
-        "Python kernel calling C++": torch.ops.bench_op_calls.few_row_linear_from_python.default,
+        "C++ op (TORCH_LIBRARY)": torch.ops.compiled_mtp.panel_linear.default,
+        "Python kernel calling C++": torch.ops.bench_op_calls.panel_linear_from_python.default,
         "no call": None,
     }
     with tempfile.TemporaryDirectory() as folder:

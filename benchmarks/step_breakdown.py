@@ -30,7 +30,7 @@ from compiled_mtp.models.gguf_export import export_gguf
 # Profiler event name -> what the time was spent on; the first pattern that matches counts.
 KINDS = [
     ("linear (oneDNN, packed weights)", r"mkldnn::_linear_pointwise|compiled_mtp::linear"),
-    ("linear (few-row C++ kernel)", r"compiled_mtp::few_row_linear"),
+    ("linear (panels, C++)", r"compiled_mtp::panel_linear"),
     ("linear (aten mm / addmm / bmm)", r"^aten::(mm|addmm|bmm)$"),
     ("attention (live_attention)", r"compiled_mtp::live_attention"),
     ("routed experts", r"compiled_mtp::routed_experts"),

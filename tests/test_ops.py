@@ -26,18 +26,14 @@ ops = torch.ops.compiled_mtp
 aten = torch.ops.aten
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
-@pytest.mark.parametrize("out_features,in_features", [(1, 40), (5, 17), (4099, 768), (7, 3)])
-def test_few_row_linear_matches_f_linear(rows, out_features, in_features):
-    """Every row count the kernel has a loop for, with and without a partial last block of weight rows
-    and a tail shorter than a vector."""
-    gen = torch.Generator().manual_seed(rows * 1000 + out_features + in_features)
-    x, weight = (
-        torch.randn(rows, in_features, generator=gen),
-        torch.randn(out_features, in_features, generator=gen),
-    )
+@pytest.mark.parametrize("rows", [2, 4, 16])
+def test_panel_linear_matches_f_linear_on_a_large_weight(rows):
+    """A weight the size of an LM head, whose panels are longer than the prefetch's reach, with a
+    partial last panel."""
+    gen = torch.Generator().manual_seed(rows)
+    x, weight = torch.randn(rows, 768, generator=gen), torch.randn(4099, 768, generator=gen)
     expected = torch.nn.functional.linear(x.double(), weight.double()).float()
-    torch.testing.assert_close(ops.few_row_linear(x, weight), expected, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(ops.panel_linear(x, weight), expected, rtol=1e-5, atol=1e-4)
 
 
 @settings(max_examples=40, deadline=None)
@@ -204,14 +200,8 @@ def _refusals():
     )
     return [
         (
-            lambda: ops.few_row_linear(x.bfloat16(), w.bfloat16()),
-            "few_row_linear: x must be Float, got BFloat16",
-        ),
-        (lambda: ops.few_row_linear(torch.randn(5, 40), w), "few_row_linear: x must have 1 to 4 rows, got 5"),
-        (lambda: ops.few_row_linear(x, w.t().contiguous().t()), "few_row_linear: weight must be contiguous"),
-        (
-            lambda: ops.few_row_linear(x, w[:, :39].contiguous()),
-            "few_row_linear: x has 40 columns, weight 39",
+            lambda: ops.panel_linear(x.bfloat16(), w.bfloat16()),
+            "panel_linear: x must be Float, got BFloat16",
         ),
         (lambda: ops.panel_linear(torch.randn(17, 40), w), "panel_linear: x must have 1 to 16 rows, got 17"),
         (lambda: ops.panel_linear(x, w[:, :39].contiguous()), "panel_linear: x has 40 columns, weight 39"),
@@ -284,7 +274,6 @@ def test_without_the_library_every_region_stays_as_traced(tiny_checkpoint, unbui
             key.kind, model, state, example_inputs(key, model, prefill_chunk=8), available()
         )
     native = {
-        ops.few_row_linear.default,
         ops.panel_linear.default,
         ops.live_attention.default,
         ops.routed_experts.default,

@@ -25,11 +25,11 @@ from compiled_mtp.passes.manager import REGISTRY, PassManager, available, induct
 from compiled_mtp.passes.packed_linear import LINEAR
 from compiled_mtp.passes.region import Unfusable, one_agreeing
 
-FEW_ROWS = torch.ops.compiled_mtp.few_row_linear.default
 FUSED = torch.ops.compiled_mtp.verify_sample.default
 ROUTED_EXPERTS = torch.ops.compiled_mtp.routed_experts.default
 DRAFT_FUSED = REGISTRY["fuse_draft_sampling"].op  # greedy_draft_sample where the C++ ops build
 LIVE_ATTENTION = torch.ops.compiled_mtp.live_attention.default
+PANELS = torch.ops.compiled_mtp.panel_linear.default
 
 aten = torch.ops.aten
 ALL = available()
@@ -314,7 +314,7 @@ def test_narrow_linear_takes_every_linear_on_few_rows(model, state, kind, b, k, 
 def test_narrow_linear_sends_large_weights_on_2_to_4_rows_to_the_kernel(
     model, state, kind, b, k, monkeypatch
 ):
-    """With every weight counted large, linears of 2-4 rows become compiled_mtp::few_row_linear and
+    """With every weight counted large, linears of 2-4 rows become compiled_mtp::panel_linear and
     those of 1 row (draft_extend's LM head) Inductor's multiply-and-sum."""
     monkeypatch.setattr(narrow_linear, "KERNEL_WEIGHT", 0)
     before, after = _graphs(kind, b, k, model, state, ("narrow_linear",))
@@ -323,7 +323,7 @@ def test_narrow_linear_sends_large_weights_on_2_to_4_rows_to_the_kernel(
         for n in before.graph.nodes
         if n.target in (aten.mm.default, aten.addmm.default)
     ]
-    assert _count(after, FEW_ROWS) == sum(2 <= r <= 4 for r in rows) > 0
+    assert _count(after, PANELS) == sum(2 <= r <= 4 for r in rows) > 0
     assert _linear_weights(after) == []
     _assert_same(before, after, state, model, kind, b, k, exact=False)
 
@@ -349,7 +349,7 @@ def test_panel_linear_takes_every_linear_on_5_to_16_rows(model, state, kind, b, 
     ]
     panel = sum(4 < r <= 16 for r in rows)
     assert {"all": panel == len(rows) > 0, "some": 0 < panel < len(rows), "none": panel == 0}[share]
-    assert _count(after, torch.ops.compiled_mtp.panel_linear.default) == panel
+    assert _count(after, PANELS) == panel
     assert len(_linear_weights(after)) == len(_linear_weights(before)) - panel
     _assert_same(before, after, state, model, kind, b, k, exact=False)
 

@@ -1,7 +1,8 @@
 """Each dense SwiGLU MLP on a few rows becomes `compiled_mtp::dense_mlp` (CPU float32).
 
 Traced, a dense MLP (`models.layers.dense_mlp`) is three linears and the activation between
-them: on 2-4 rows, three calls of the few-row kernel (narrow_linear) and a kernel of Inductor's, each
+them: on 2-4 rows, three linears from narrow_linear (panel_linear calls on weights of 2^18+
+elements, Inductor's loops on smaller ones) and a kernel of Inductor's, each
 with its own start and its threads' barrier; on 5-16 rows (a batch of 4 verifying drafts), three
 packed oneDNN linears. The op does the MLP in one call (the routed-experts
 kernel with one expert every row takes at weight 1), reading gate and up together for all the rows,

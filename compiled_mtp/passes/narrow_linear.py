@@ -17,17 +17,15 @@ MKL's bmm, which took 0.48-0.93 ms for the 8 layers of the 250m preset against 0
 multiply-and-sum (a 4-row verify of the 250m preset, timed in turns: 0.2-0.9 ms faster).
 
 Linears of 2-4 rows on weights of KERNEL_WEIGHT elements or more go to
-`compiled_mtp::few_row_linear` instead (ops/csrc/few_row_linear.cpp), which does the arithmetic about
-twice as fast as Inductor's loop but costs about 6 us more a call. For the LM head alone (4M
-elements and more), a 4-row verify of the 250m preset took 23.0-23.9 ms with it against 27.1-27.8
-without when this machine's memory was fast, and 27-29 ms either way when it was slow. At 256K
-elements the 250m preset's attention projections (but kv_a) and dense MLP go too: its 4-row verify,
-timed in turns four times, took 0-0.7 ms less than with the LM head alone (0.5-0.9 ms with every
-token routed to the same experts); the shipped model sends only its LM head, and its 4-row verify
-took 1.41-1.45 ms against 1.43-1.46. At 128K elements the shipped model's MLP weights went too and
-its verify took 1.53 ms: there the call costs more than the arithmetic saves. At 1 row the kernel
-made the 250m verify 1.2-2.5 ms slower (a separate call where Inductor's code fuses the LM head with
-the final norm), so 1 row stays here.
+`compiled_mtp::panel_linear` instead (ops/csrc/panel_linear.cpp, see panel_linear.py), which keeps
+every output lane's sum in its own register where Inductor's loop sums each output in one chain and
+reduces it across lanes. The shipped model's 4096 x 256 LM head, read cold at 2 / 4 rows, took 169 /
+187 us that way against 233 / 239 us with the few-row kernel that had this place before
+(benchmarks/bench_linear_rows.py), which in turn had made a 4-row verify of the 250m preset 23.0-23.9
+ms against Inductor's 27.1-27.8 (LM head alone) when this machine's memory was fast. At 2^17
+elements the shipped model's MLP weights went too and its 4-row verify took 1.53 ms against 1.43:
+there the call costs more than the arithmetic saves. At 1 row a separate call made the 250m verify
+1.2-2.5 ms slower (Inductor's code fuses the LM head with the final norm), so 1 row stays here.
 """
 
 from __future__ import annotations
@@ -43,8 +41,8 @@ from ..ops import library
 from .fx_nodes import LinearNode, call, linears, on_cpu_float32, replace
 
 aten = torch.ops.aten
-NARROW_ROWS = 4  # the most rows compiled_mtp::few_row_linear takes
-# Weights of this many elements or more go to the hand-written kernel; smaller ones, whose read
+NARROW_ROWS = 4  # the most rows this pass takes; panel_linear takes 5-16
+# Weights of this many elements or more go to compiled_mtp::panel_linear; smaller ones, whose read
 # costs less than the op's call, stay in Inductor's code, fused with their neighbours.
 KERNEL_WEIGHT = 1 << 18
 KERNEL_ROWS = 2
@@ -70,7 +68,7 @@ class NarrowLinear(CustomGraphPass):
 
 def _narrow(graph: fx.Graph, lin: LinearNode, kernel: bool) -> fx.Node:
     if kernel and lin.weight_size >= KERNEL_WEIGHT and lin.rows >= KERNEL_ROWS:
-        return call(graph, torch.ops.compiled_mtp.few_row_linear.default, lin.x, lin.weight)
+        return call(graph, torch.ops.compiled_mtp.panel_linear.default, lin.x, lin.weight)
     return _multiply_and_sum(graph, lin)
 
 

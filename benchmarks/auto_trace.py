@@ -33,8 +33,7 @@ from compiled_mtp.runtime import DTYPES, Runtime, SamplingParams
 
 def conditional_rates(policy: DepthPolicy) -> list[str]:
     """Accepted over proposed at each position, pooled over the depths the runtime ran."""
-    proposed = [sum(p[j] for p in policy._proposed.values() if j < len(p)) for j in range(max(policy.depths))]
-    accepted = [sum(a[j] for a in policy._accepted.values() if j < len(a)) for j in range(max(policy.depths))]
+    proposed, accepted = policy.counts()
     return [f"{a / p:.3f}" if p else "-" for p, a in zip(proposed, accepted)]
 
 

@@ -97,13 +97,17 @@ class DepthPolicy:
         self._proposed = {k: [0] * k for k in self.depths}
         self._accepted = {k: [0] * k for k in self.depths}
 
+    def counts(self) -> tuple[list[int], list[int]]:
+        """Drafts proposed and accepted at each position, over the steps of every depth."""
+        positions = range(self.depths[-1])
+        proposed = [sum(p[j] for p in self._proposed.values() if j < len(p)) for j in positions]
+        accepted = [sum(a[j] for a in self._accepted.values() if j < len(a)) for j in positions]
+        return proposed, accepted
+
     def prior(self) -> list[float]:
         """Acceptance per position from every step so far, each smoothed towards the one before."""
-        width = self.depths[-1]
         rates, previous = [], 0.5
-        for j in range(width):
-            proposed = sum(p[j] for p in self._proposed.values() if j < len(p))
-            accepted = sum(a[j] for a in self._accepted.values() if j < len(a))
+        for proposed, accepted in zip(*self.counts()):
             previous = (accepted + 2 * previous) / (proposed + 2)
             rates.append(previous)
         return rates

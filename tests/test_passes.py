@@ -25,7 +25,7 @@ from compiled_mtp.passes.manager import REGISTRY, PassManager, available, induct
 from compiled_mtp.passes.packed_linear import LINEAR
 from compiled_mtp.passes.region import Unfusable, one_agreeing
 
-FUSED = torch.ops.compiled_mtp.verify_sample.default
+FUSED = REGISTRY["fuse_verify_sampling"].op_for({"cpu"})  # greedy_verify_sample where the C++ ops build
 ROUTED_EXPERTS = torch.ops.compiled_mtp.routed_experts.default
 DRAFT_FUSED = REGISTRY["fuse_draft_sampling"].op  # greedy_draft_sample where the C++ ops build
 LIVE_ATTENTION = torch.ops.compiled_mtp.live_attention.default

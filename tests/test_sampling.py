@@ -469,7 +469,10 @@ def test_fused_verify_op_gives_the_traced_tokens(case):
     for spare in (kernel.SPARE_BUCKETS, 0, -3):
         with mock.patch.object(kernel, "SPARE_BUCKETS", spare):
             got = kernel.verify_sample(*case)
-        assert torch.equal(expected[0], got[0]) and torch.equal(expected[1], got[1]), spare
+            # the C++ op hands a batch that is not all greedy to the one above, and takes the rest itself
+            native = torch.ops.compiled_mtp.greedy_verify_sample(*case)
+        for result in (got, native):
+            assert torch.equal(expected[0], result[0]) and torch.equal(expected[1], result[1]), spare
 
 
 @SETTINGS
@@ -550,9 +553,11 @@ def test_greedy_batches_take_the_cpp_path_with_the_traced_tokens(case):
     with threads(num_threads):
         assert greedy_verify(logits, temperature, drafts, q, noise) is not None
         expected, got = verify_sample(*args), kernel.verify_sample(*args)
+        native = torch.ops.compiled_mtp.greedy_verify_sample(*args)
         (tokens, q), (got_tokens, got_q) = draft_sample(*draft_args), draft_kernel.draft_sample(*draft_args)
         native_tokens, native_q = torch.ops.compiled_mtp.greedy_draft_sample(*draft_args)
-    assert torch.equal(expected[0], got[0]) and torch.equal(expected[1], got[1])
+    for result in (got, native):
+        assert torch.equal(expected[0], result[0]) and torch.equal(expected[1], result[1])
     assert torch.equal(tokens, got_tokens) and torch.equal(q, got_q)
     assert torch.equal(tokens, native_tokens) and torch.equal(q, native_q)
 
@@ -570,3 +575,31 @@ def test_greedy_path_leaves_sampled_batches_and_other_dtypes_to_the_general_path
     assert greedy_verify(logits, torch.tensor([0.0, 0.7]), drafts, q, noise) is None
     assert greedy_verify(logits.bfloat16(), torch.zeros(2), drafts, q, noise) is None
     assert greedy_verify(logits, torch.zeros(2), drafts, q, noise) is not None
+
+
+def test_greedy_verify_op_hands_other_batches_to_the_general_op():
+    """compiled_mtp::greedy_verify_sample, which verify graphs call on CPU: a sampled request or
+    bfloat16 logits send the batch to compiled_mtp::verify_sample, whose results it returns."""
+    from unittest import mock
+
+    from compiled_mtp.ops import verify_sample as kernel
+
+    gen = torch.Generator().manual_seed(0)
+    logits, q, noise = (
+        torch.randn(2, 3, 50, generator=gen),
+        torch.rand(2, 2, 50, generator=gen),
+        torch.rand(2, 3, generator=gen),
+    )
+    drafts = logits[:, :2].argmax(-1)
+    params = torch.zeros(2, dtype=torch.long), torch.ones(2)
+    cases = {
+        "sampled": (logits, torch.tensor([0.0, 0.7]), *params, drafts, q, noise),
+        "bfloat16": (logits.bfloat16(), torch.zeros(2), *params, drafts, q.bfloat16(), noise),
+        "greedy": (logits, torch.zeros(2), *params, drafts, q, noise),
+    }
+    for name, args in cases.items():
+        expected = kernel.verify_sample(*args)
+        with mock.patch.object(kernel, "verify_by_kind", wraps=kernel.verify_by_kind) as general:
+            got = torch.ops.compiled_mtp.greedy_verify_sample(*args)
+        assert general.called == (name != "greedy"), name
+        assert torch.equal(expected[0], got[0]) and torch.equal(expected[1], got[1]), name

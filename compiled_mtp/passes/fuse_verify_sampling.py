@@ -10,6 +10,11 @@ replacement happens only if they agree on the committed tokens (up to rounding, 
 under one assignment of the two [B] float inputs (temperature, top_p). The probes run on the graph's
 device, so on CUDA they check the Triton kernel (ops/verify_sample_triton.py) the graph will run.
 A graph where any of this fails is left as it was, with a log line.
+
+On CPU, where the C++ ops build, the call is `compiled_mtp::greedy_verify_sample`
+(ops/csrc/greedy_sample.cpp), which verifies a batch of greedy requests in C++ and hands any other
+batch to `compiled_mtp::verify_sample`: from a captured graph, the call into Python cost more than
+the greedy batch's own argmax and accept test (see docs/passes.md).
 """
 
 from __future__ import annotations
@@ -20,9 +25,11 @@ import torch
 from torch import fx
 
 from ..graphs.sampling import verify_sample
+from ..ops import library
 from ..ops import verify_sample as op_module
 from ..ops import verify_sample_triton as triton_kernel  # registers the CUDA kernel where Triton is installed
 from . import probes
+from .fx_nodes import device_types
 from .probes import probe_logits, probe_params, probe_rounds
 from .region import Region, RegionPass, by_signature, one_agreeing
 
@@ -42,7 +49,13 @@ class FuseVerifySampling(RegionPass):
 
     @property
     def settings(self) -> tuple:  # read when the uuid is, so that a switch set later counts
-        return (FUSE_ON_CUDA,)
+        return (FUSE_ON_CUDA, library.version() if library.load() else None)
+
+    def op_for(self, devices: set[str]) -> torch._ops.OpOverload:
+        native = devices == {"cpu"} and library.load()
+        return (
+            torch.ops.compiled_mtp.greedy_verify_sample if native else torch.ops.compiled_mtp.verify_sample
+        ).default
 
     def serves(self, devices: set[str]) -> bool:
         return devices == {"cpu"} or (devices == {"cuda"} and FUSE_ON_CUDA and triton_kernel.available())
@@ -69,10 +82,11 @@ class FuseVerifySampling(RegionPass):
         of a step of the CDF may pick the neighbouring token."""
         gen = torch.Generator().manual_seed(0)
         batch = args[0].meta["val"].shape[0]
+        op = self.op_for(device_types(args))
         same = total = 0
         for probe in range(probe_rounds(batch)):
             values = _probe_inputs(args, probe, gen)
-            (accepted, tokens), (fused_accepted, fused_tokens) = region(args, values), self.op(*values)
+            (accepted, tokens), (fused_accepted, fused_tokens) = region(args, values), op(*values)
             same += int(((accepted == fused_accepted) & (tokens == fused_tokens).all(-1)).sum())
             total += batch
         return same / total

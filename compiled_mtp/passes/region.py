@@ -72,6 +72,10 @@ class RegionPass(CustomGraphPass):
     def op(self) -> torch._ops.OpOverload:
         return getattr(torch.ops.compiled_mtp, self.op_name).default
 
+    def op_for(self, devices: set[str]) -> torch._ops.OpOverload:
+        """The op that replaces a region whose inputs are on `devices` (and runs on its probes)."""
+        return self.op
+
     @property
     def name(self) -> str:
         return type(self).__module__.rsplit(".", 1)[-1]
@@ -88,7 +92,7 @@ class RegionPass(CustomGraphPass):
                     logging.INFO if e.expected else logging.WARNING, "%s: left as traced: %s", self.name, e
                 )
                 continue
-            call_in_place_of(graph, self.op, args, replaced)
+            call_in_place_of(graph, self.op_for(device_types(inputs)), args, replaced)
         if not found:  # a model family without this function (GLM-4 MoE has no latent attention)
             log.info("%s: skipped, the graph has no call of %s", self.name, self.traced.__name__)
         graph.eliminate_dead_code()

@@ -161,11 +161,51 @@ std::tuple<at::Tensor, at::Tensor> greedy_draft_sample_meta(const at::Tensor& lo
     return {at::empty({logits.size(0)}, logits.options().dtype(at::kLong)), at::empty(logits.sizes(), logits.options().dtype(at::kFloat))};
 }
 
+// compiled_mtp::greedy_verify_sample: compiled_mtp::verify_sample (ops/verify_sample.py) whose greedy
+// batches stay here, as greedy_draft_sample's do: a verify graph's batch of CPU float32 greedy
+// requests is checked by greedy_sample's kernel without a call into Python; any other batch is handed
+// to that op.
+static bool fits_greedy_kernel(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& drafts,
+                               const at::Tensor& draft_probs, const at::Tensor& noise) {
+    if (!(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 3 && logits.numel()))
+        return false;
+    const int64_t batch = logits.size(0), steps = logits.size(1), vocab = logits.size(2);
+    const auto is = [](const at::Tensor& t, at::ScalarType dtype, at::IntArrayRef sizes) {
+        return t.device().is_cpu() && t.scalar_type() == dtype && t.sizes() == sizes;
+    };
+    return is(temperature, at::kFloat, {batch}) && is(drafts, at::kLong, {batch, steps - 1}) &&
+           is(draft_probs, at::kFloat, {batch, steps - 1, vocab}) && is(noise, at::kFloat, {batch, steps});
+}
+
+std::tuple<at::Tensor, at::Tensor> greedy_verify_sample(const at::Tensor& logits, const at::Tensor& temperature,
+                                                        const at::Tensor& top_k, const at::Tensor& top_p,
+                                                        const at::Tensor& drafts, const at::Tensor& draft_probs,
+                                                        const at::Tensor& noise) {
+    if (fits_greedy_kernel(logits, temperature, drafts, draft_probs, noise)) {
+        auto [num_accepted, tokens, done] = greedy_sample(logits, temperature, drafts, draft_probs, noise);
+        if (done.data_ptr<int64_t>()[0]) return {num_accepted, tokens};
+    }
+    static const auto general = c10::Dispatcher::singleton()
+        .findSchemaOrThrow("compiled_mtp::verify_sample", "")
+        .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                  const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
+    return general.call(logits, temperature, top_k, top_p, drafts, draft_probs, noise);
+}
+
+std::tuple<at::Tensor, at::Tensor> greedy_verify_sample_meta(const at::Tensor& logits, const at::Tensor&, const at::Tensor&,
+                                                             const at::Tensor&, const at::Tensor& drafts, const at::Tensor&,
+                                                             const at::Tensor&) {
+    return {at::empty({logits.size(0)}, drafts.options()), at::empty({logits.size(0), logits.size(1)}, drafts.options())};
+}
+
 }  // namespace
 
 COMPILED_MTP_OP(greedy_sample,
                 "(Tensor logits, Tensor temperature, Tensor drafts, Tensor draft_probs, Tensor noise) -> (Tensor, Tensor, Tensor)")
 COMPILED_MTP_OP(greedy_draft_sample,
                 "(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor u) -> (Tensor, Tensor)")
+COMPILED_MTP_OP(greedy_verify_sample,
+                "(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor drafts, Tensor draft_probs, "
+                "Tensor noise) -> (Tensor, Tensor)")
 
 }  // namespace compiled_mtp

@@ -542,18 +542,20 @@ def test_greedy_batches_take_the_cpp_path_with_the_traced_tokens(case):
     """The verify op, and the draft ops on each request's first row, for batches of greedy requests:
     the C++ paths (ops/csrc/greedy_sample.cpp) take them, and give the definition's tokens and q,
     as the draft op's general path does."""
+    from unittest import mock
+
     from compiled_mtp.graphs.sampling import draft_sample, verify_sample
     from compiled_mtp.ops import draft_sample as draft_kernel
     from compiled_mtp.ops import verify_sample as kernel
-    from compiled_mtp.ops.greedy_sample import greedy_verify
 
     args, num_threads = case
-    logits, temperature, top_k, top_p, drafts, q, noise = args
+    logits, temperature, top_k, top_p, _, _, noise = args
     draft_args = (logits[:, 0], temperature, top_k, top_p, noise[:, 0])
     with threads(num_threads):
-        assert greedy_verify(logits, temperature, drafts, q, noise) is not None
+        with mock.patch.object(kernel, "verify_by_kind", wraps=kernel.verify_by_kind) as general:
+            native = torch.ops.compiled_mtp.greedy_verify_sample(*args)
+        assert not general.called  # the C++ path took the batch
         expected, got = verify_sample(*args), kernel.verify_sample(*args)
-        native = torch.ops.compiled_mtp.greedy_verify_sample(*args)
         (tokens, q), (got_tokens, got_q) = draft_sample(*draft_args), draft_kernel.draft_sample(*draft_args)
         native_tokens, native_q = torch.ops.compiled_mtp.greedy_draft_sample(*draft_args)
     for result in (got, native):
@@ -563,23 +565,9 @@ def test_greedy_batches_take_the_cpp_path_with_the_traced_tokens(case):
 
 
 def test_greedy_path_leaves_sampled_batches_and_other_dtypes_to_the_general_path():
-    from compiled_mtp.ops.greedy_sample import greedy_verify
-
-    gen = torch.Generator().manual_seed(0)
-    logits, drafts, q, noise = (
-        torch.randn(2, 3, 50, generator=gen),
-        torch.zeros(2, 2, dtype=torch.long),
-        torch.rand(2, 2, 50, generator=gen),
-        torch.rand(2, 3, generator=gen),
-    )
-    assert greedy_verify(logits, torch.tensor([0.0, 0.7]), drafts, q, noise) is None
-    assert greedy_verify(logits.bfloat16(), torch.zeros(2), drafts, q, noise) is None
-    assert greedy_verify(logits, torch.zeros(2), drafts, q, noise) is not None
-
-
-def test_greedy_verify_op_hands_other_batches_to_the_general_op():
     """compiled_mtp::greedy_verify_sample, which verify graphs call on CPU: a sampled request or
-    bfloat16 logits send the batch to compiled_mtp::verify_sample, whose results it returns."""
+    bfloat16 logits send the batch to compiled_mtp::verify_sample, whose results it returns; a
+    greedy float32 batch stays in C++."""
     from unittest import mock
 
     from compiled_mtp.ops import verify_sample as kernel

@@ -80,8 +80,3 @@ def serves(model: torch.nn.Module) -> bool:
     built before the first step only then."""
     weight = next(model.parameters())
     return weight.device.type == "cpu" and weight.dtype == torch.float32
-
-
-def available() -> bool:
-    """Whether the ops are loaded in this process (without building them)."""
-    return load.cache_info().currsize > 0 and load()

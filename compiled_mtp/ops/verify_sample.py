@@ -10,8 +10,10 @@ where its uniform falls within rounding of a step of the CDF.
 
 The traced subgraph must stay branch-free, so it sorts every row of the vocabulary for top-k/top-p
 and builds one-hot rows for greedy requests. Here a request takes only the work its parameters need:
-- greedy: one argmax per row (a batch of greedy requests alone: all of it in one C++ call,
-  ops/csrc/greedy_sample.cpp); p(d) is 1 at the argmax, and the final token is the argmax of row a;
+- greedy: one argmax per row; p(d) is 1 at the argmax, and the final token is the argmax of row a
+  (where the C++ ops build, CPU graphs call `compiled_mtp::greedy_verify_sample` instead,
+  ops/csrc/greedy_sample.cpp, which verifies a batch of greedy requests itself and hands any other
+  batch to this op);
 - temperature without top-k/top-p: a softmax per row, no sort;
 - top-k or top-p: one pass finds how far down the distribution the cut can fall, and only the tokens
   above that are sorted (the traced definition itself where they may not decide the cut).
@@ -30,7 +32,6 @@ import torch
 from torch import Tensor
 
 from ..graphs.sampling import accept_drafts, committed_tokens, processed_probs, residual_draw
-from .greedy_sample import greedy_verify
 
 # Top-k/top-p candidates: mass buckets per row (a factor of sqrt(2) each; the last holds the rest), and
 # how many buckets past the cut the candidates reach, so that rounding in the bucket sums cannot move it out.
@@ -53,10 +54,6 @@ torch.library.define(
 def verify_sample(*inputs: Tensor) -> tuple[Tensor, Tensor]:
     """The CPU kernel. Arguments (the schema's above) and results as `graphs.sampling.verify_sample`:
     (num_accepted [B], tokens [B, K+1])."""
-    logits, temperature, _, _, drafts, draft_probs, noise = inputs
-    greedy = greedy_verify(logits, temperature, drafts, draft_probs, noise)
-    if greedy is not None:
-        return greedy
     return verify_by_kind(softmax_rows, filtered_rows, *inputs)
 
 

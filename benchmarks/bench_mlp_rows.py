@@ -11,7 +11,11 @@ come close to them, which a bound counting bytes alone does not see; from 8 (a b
 drafts) they set it.
 
     python benchmarks/bench_mlp_rows.py [--hidden 256] [--inter 1024] [--layers 11] [--rounds 5]
-                                        [--rows 1 4 8 16] [--against REV]
+                                        [--rows 1 4 8 16] [--values bfloat16] [--against REV]
+
+The weights hold bfloat16 values by default, as a bfloat16 checkpoint's (the shipped model's) do once
+upcast: the op reads them from bfloat16 panels, half the bytes (ops/csrc/panels.h); `--values
+float32` times float32 panels.
 
 With `--against REV` the ops of git revision REV are built beside this checkout's (in a namespace of
 their own) and both dense_mlp kernels run cold in turns, round after round, so a drift in memory
@@ -112,14 +116,22 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16], help="row counts timed")
     parser.add_argument("--against", metavar="REV", help="also time revision REV's kernel, in turns")
+    parser.add_argument(
+        "--values",
+        choices=["bfloat16", "float32"],
+        default="bfloat16",
+        help="the weights' values: bfloat16 ones, upcast, or any float32 (default: bfloat16)",
+    )
     args = parser.parse_args()
     if not library.load():
         raise SystemExit("error: the C++ ops did not build on this machine")
     h, inter = args.hidden, args.inter
+    values = torch.bfloat16 if args.values == "bfloat16" else torch.float32
     weights = [
-        (torch.randn(inter, h), torch.randn(inter, h), torch.randn(h, inter)) for _ in range(args.layers)
+        tuple(torch.randn(shape).to(values).float() for shape in ((inter, h), (inter, h), (h, inter)))
+        for _ in range(args.layers)
     ]
-    nbytes = 3 * h * inter * 4
+    nbytes = 3 * h * inter * values.itemsize
     bandwidth, flops = copy_gbs(args.rounds), mm_gflops(args.rounds)
     print(
         f"{torch.get_num_threads()} threads; copy bandwidth {bandwidth:.1f} GB/s, torch.mm {flops:.0f} GFLOP/s; "
@@ -128,7 +140,7 @@ def main() -> None:
     times = {}
     for rows in args.rows:
         times[rows] = mlp_us(torch.randn(rows, h), weights, args.rounds)
-        arithmetic = 2 * rows * nbytes / 4 / flops / 1e3
+        arithmetic = 2 * rows * 3 * h * inter / flops / 1e3
         print(
             f"{rows} row(s): {times[rows][0]:6.1f} us cold, {times[rows][1]:6.1f} us hot; "
             f"multiply-adds at the torch.mm rate {arithmetic:5.1f} us"

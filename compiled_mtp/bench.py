@@ -21,10 +21,12 @@ What it measures (greedy decoding throughout, the same prompts for every system)
   decoding, and for each K > 0 its own MTP graph drafting K tokens a step (with the drafts it
   accepted in the compared generation); each row's greedy tokens are compared with the engine's. A
   llama.cpp without the MTP graph leaves those rows out with a one-line note;
-- the memory-bandwidth bound: weight bytes one step must read (the target's parameters, counting one
-  embedding row and only the shared plus `num_experts_per_tok` routed experts of a MoE layer, plus per
-  draft step the MTP layer's, the shared LM head and one embedding row) over the measured copy bandwidth
-  gives the most steps per second; times B and the row's acceptance length it bounds tokens/s.
+- the memory-bandwidth bound: weight bytes one step must read, as the engine's kernels read them (a
+  weight the C++ ops read from bfloat16 panels counts half its float32 bytes): the target's
+  parameters, counting one embedding row and only the shared plus `num_experts_per_tok` routed
+  experts of a MoE layer, plus per draft step the MTP layer's, the shared LM head and one embedding
+  row; over the measured copy bandwidth they give the most steps per second; times B and the row's
+  acceptance length it bounds tokens/s.
 
 Prompts are held-out text when the checkpoint has a tokenizer: windows of `--prompt-len` tokens one
 third into each file that the shipped model's training holds out (compiled_mtp/corpus.py), as its
@@ -60,6 +62,7 @@ from .models.draft_vocab import read_ranking
 from .models.family import CausalLM
 from .models.gguf_export import LAYOUTS, export_gguf
 from .models.registry import read_config
+from .ops import library
 from .passes.manager import add_pass_switch, without
 from .runtime import DTYPES, Runtime, SamplingParams, acceptance_length, check_device
 from .tokenizer import Tokenizer
@@ -479,7 +482,7 @@ def _layer_bytes(layer: torch.nn.Module, num_experts_per_tok: int) -> int:
     total = 0
     for module in layer.modules():
         own = list(module.parameters(recurse=False))
-        size = sum(p.nbytes for p in own)
+        size = sum(library.read_bytes(p) for p in own)
         experts = {p.shape[0] for p in own if p.dim() == 3}
         stacked = len(experts) == 1 and all(p.dim() == 3 for p in own)
         total += size * num_experts_per_tok // experts.pop() if stacked else size
@@ -487,17 +490,18 @@ def _layer_bytes(layer: torch.nn.Module, num_experts_per_tok: int) -> int:
 
 
 def weight_bytes(model: CausalLM) -> tuple[int, list[int]]:
-    """(bytes one target forward reads, bytes one draft step reads per MTP layer), in the runtime dtype.
-    A token reads one embedding row; a draft step also projects through the shared LM head (or the
-    draft head of a restricted draft vocabulary)."""
+    """(bytes one target forward reads, bytes one draft step reads per MTP layer), as the engine's
+    kernels read them (`library.read_bytes`: after the runs, which made the ops' panels). A token reads
+    one embedding row; a draft step also projects through the shared LM head (or the draft head of a
+    restricted draft vocabulary)."""
     cfg, layers = model.cfg, model.model.layers
     mtp_layers = [model.mtp_layer(i) for i in range(model.num_mtp_layers)]
     row = model.model.embed_tokens.weight[0].nbytes
-    head = model.lm_head.weight.nbytes
+    head = library.read_bytes(model.lm_head.weight)
     norm = model.model.norm.weight.nbytes
     k = cfg.num_experts_per_tok or 0
     target = row + sum(_layer_bytes(layer, k) for layer in layers[: cfg.num_hidden_layers]) + norm + head
-    draft_head = head if model.draft_head is None else model.draft_head.weight.nbytes
+    draft_head = head if model.draft_head is None else library.read_bytes(model.draft_head.weight)
     mtp = [row + _layer_bytes(layer, k) + draft_head for layer in mtp_layers]
     return target, mtp
 
@@ -993,13 +997,13 @@ def run(args: argparse.Namespace) -> None:
         draft_vocab=args.draft_vocab,
     )
     print(f"benchmarking {args.model} on {meta.device_name}; prompts: {prompts.detail}", flush=True)
-    target_bytes, mtp_bytes = weight_bytes(model)
     with tempfile.TemporaryDirectory() as folder:
         systems = _llama_cpp(args, model.model_type, Path(folder))
         acceptance, engine, peers, meta.compiles, meta.recompiles = bench_engine(
             model, prompts, args, systems
         )
         del systems
+    target_bytes, mtp_bytes = weight_bytes(model)
     del model  # HF loads its own copy next
     hf, meta.hf_attention = bench_hf(args.model, prompts.token_ids, args)
     bandwidth = copy_bandwidth(args.device, args.copy_mb)

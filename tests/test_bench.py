@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from compiled_mtp import bench, llama_cpp_peer
 from compiled_mtp.capture.profile import DEFAULT_MODEL
@@ -154,6 +155,24 @@ def test_weight_bytes_count_only_the_routed_experts_a_token_uses(echo_checkpoint
         + model.model.embed_tokens.weight[0].nbytes
         + model.lm_head.weight.nbytes
     )
+
+
+def test_weight_bytes_count_the_panels_an_op_reads_in_place_of_a_weight(echo_checkpoint):
+    """A weight of bfloat16 values that an op has read from panels counts its panels' bytes, half its
+    own (the LM head here); the others count their own."""
+    from compiled_mtp.models.checkpoint import load_model
+    from compiled_mtp.ops import library
+
+    model = load_model(echo_checkpoint)
+    head = model.lm_head.weight
+    assert library.load()
+    with torch.no_grad():
+        head.copy_(head.bfloat16().float())
+    before, _ = bench.weight_bytes(model)
+    torch.ops.compiled_mtp.panel_linear(torch.ones(1, head.shape[1]), head)
+    after, _ = bench.weight_bytes(model)
+    panels = torch.ops.compiled_mtp.panel_bytes(head)
+    assert before - after == head.nbytes - panels and head.nbytes // 2 <= panels < head.nbytes
 
 
 @pytest.mark.skipif(

@@ -68,6 +68,66 @@ def test_panel_linear_follows_its_weight():
     torch.testing.assert_close(ops.panel_linear(x, weight), -2.0 * first, rtol=1e-5, atol=1e-4)
 
 
+def _bfloat16_valued(*shapes, generator):
+    return [torch.randn(shape, generator=generator).bfloat16().float() for shape in shapes]
+
+
+def _off_bfloat16(weight: torch.Tensor, index: tuple) -> torch.Tensor:
+    """`weight` with one element moved off the bfloat16 values (its lowest bit set), as a copy."""
+    moved = weight.clone()
+    moved.view(torch.int32)[index] |= 1
+    return moved
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 16),
+    out_features=st.integers(1, 70),
+    in_features=st.integers(2, 40),
+    seed=st.integers(0, 2**16),
+)
+def test_bfloat16_panels_give_the_float32_panels_products_bit_for_bit(rows, out_features, in_features, seed):
+    """A weight of bfloat16 values is read from panels of half the bytes, and every product is bit for
+    bit the one from float32 panels: the same weight with one element off the bfloat16 values, in a
+    column the rows multiply by zero (which adds exactly nothing to any sum)."""
+    gen = torch.Generator().manual_seed(seed)
+    (weight,) = _bfloat16_valued((out_features, in_features), generator=gen)
+    column = int(torch.randint(0, in_features, (1,), generator=gen))
+    x = torch.randn(rows, in_features, generator=gen)
+    x[:, column] = 0.0
+    moved = _off_bfloat16(weight, (out_features - 1, column))
+    got, reference = ops.panel_linear(x, weight), ops.panel_linear(x, moved)
+    assert torch.equal(got, reference)
+    assert 2 * ops.panel_bytes(weight) == ops.panel_bytes(moved) > 0
+
+
+@pytest.mark.parametrize("rows", [1, 4, 16])
+def test_dense_mlp_on_bfloat16_weights_gives_the_float32_products_bit_for_bit(rows):
+    """The MLP's three weights from bfloat16 panels against float32 ones: each moved off the bfloat16
+    values where it multiplies zero (a column x leaves at zero; down's column of an intermediate whose
+    up row is zero), and against the model function."""
+    gen = torch.Generator().manual_seed(rows)
+    hidden, inter = 40, 83
+    gate, up, down = _bfloat16_valued((inter, hidden), (inter, hidden), (hidden, inter), generator=gen)
+    up[5] = 0.0
+    x = torch.randn(rows, hidden, generator=gen)
+    x[:, 3] = 0.0
+    moved = (_off_bfloat16(gate, (7, 3)), _off_bfloat16(up, (9, 3)), _off_bfloat16(down, (11, 5)))
+    got = ops.dense_mlp(x, gate, up, down)
+    assert torch.equal(got, ops.dense_mlp(x, *moved))
+    assert [ops.panel_bytes(w) * 2 for w in (gate, up, down)] == [ops.panel_bytes(w) for w in moved]
+    expected = dense_mlp(x.double(), gate.double(), up.double(), down.double()).float()
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_panel_bytes_is_zero_until_an_op_reads_the_weight():
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(32, 16, generator=gen)
+    assert ops.panel_bytes(weight) == 0
+    ops.panel_linear(torch.randn(2, 16, generator=gen), weight)
+    assert ops.panel_bytes(weight) == weight.nbytes  # 32 outputs fill whole panels at 8 or 16 lanes
+
+
 @settings(max_examples=40)
 @given(
     rows=st.integers(1, 11),

@@ -5,6 +5,7 @@ test_compiled.py (torch.compile) and test_capture.py (AOTInductor)."""
 
 from __future__ import annotations
 
+import copy
 from typing import ClassVar
 
 import pytest
@@ -24,6 +25,7 @@ from compiled_mtp.passes.fx_nodes import calls_of
 from compiled_mtp.passes.manager import REGISTRY, PassManager, available, inductor_options
 from compiled_mtp.passes.packed_linear import LINEAR
 from compiled_mtp.passes.region import Unfusable, one_agreeing
+from compiled_mtp.passes.weights import bfloat16_values
 
 FUSED = REGISTRY["fuse_verify_sampling"].op_for({"cpu"})  # greedy_verify_sample where the C++ ops build
 ROUTED_EXPERTS = torch.ops.compiled_mtp.routed_experts.default
@@ -413,6 +415,47 @@ def test_fuse_dense_mlp_takes_each_dense_mlp_on_2_to_16_rows(model, state, kind,
     _assert_same(before, after, state, model, kind, b, k, exact=False)
 
 
+@pytest.fixture(scope="module")
+def bfloat16_model(tiny_checkpoint):
+    """The tiny model with every weight matrix rounded to bfloat16 values, as a bfloat16 checkpoint's
+    are once upcast."""
+    rounded = load_model(tiny_checkpoint)
+    with torch.no_grad():
+        for p in rounded.parameters():
+            if p.dim() >= 2:
+                p.copy_(p.bfloat16().float())
+    return rounded
+
+
+def test_bfloat16_values_are_told_from_float32_ones(model, bfloat16_model):
+    assert bfloat16_values(bfloat16_model) and not bfloat16_values(model)
+    moved = copy.deepcopy(bfloat16_model)
+    with torch.no_grad():
+        moved.lm_head.weight.view(torch.int32)[-1, -1] |= 1  # one element's lowest bit
+    assert not bfloat16_values(moved)
+
+
+@pytest.mark.parametrize("kind,b,k,mlps", [("target_verify", 1, 0, 1), ("draft_extend", 1, 3, 0)])
+def test_one_row_products_of_bfloat16_weights_go_to_the_ops(
+    bfloat16_model, state, monkeypatch, kind, b, k, mlps
+):
+    """On weights of bfloat16 values the ops read panels of half the bytes, so on one row too the dense
+    MLP becomes dense_mlp and the large linears panel_linear (every weight counted large here: a
+    1-row verify's, and draft_extend's 1-row LM head); on float32 values one row stays with Inductor
+    (test_fuse_dense_mlp_takes_each_dense_mlp_on_2_to_16_rows, and the 2-4 row test above)."""
+    monkeypatch.setattr(narrow_linear, "KERNEL_WEIGHT", 0)
+    before, after = _graphs(kind, b, k, bfloat16_model, state, ("fuse_dense_mlp", "narrow_linear"))
+    rows = [
+        n.args[-2].meta["val"].shape[0]
+        for n in before.graph.nodes
+        if n.target in (aten.mm.default, aten.addmm.default)
+    ]
+    assert _count(after, DENSE_MLP) == mlps
+    assert _count(after, PANELS) == sum(r <= 4 for r in rows) - 3 * mlps > 0
+    assert _linear_weights(after) == []
+    _assert_same(before, after, state, bfloat16_model, kind, b, k, exact=False)
+
+
 def test_dense_mlp_that_disagrees_with_the_op_stays(model, state, monkeypatch, caplog):
     _replace_op(monkeypatch, "fuse_dense_mlp", lambda x, *args: torch.zeros_like(x))
     before, after = _graphs("target_verify", 1, 3, model, state, ("fuse_dense_mlp",))
@@ -570,6 +613,9 @@ def test_switches_and_uuids():
         for subset in __import__("itertools").combinations(ALL, n)
     }
     assert len(uuids) == 2 ** len(ALL)  # every pass set keys its own cache entries
+    bfloat16 = PassManager(ALL)
+    bfloat16.bfloat16_values = True
+    assert bfloat16.uuid() != PassManager(ALL).uuid()  # so do the weights' values (passes/weights.py)
     assert PassManager(ALL).uuid() == PassManager(tuple(reversed(ALL))).uuid()  # run order is the registry's
     assert inductor_options(())["post_grad_custom_post_pass"].enabled == ()
     with pytest.raises(ValueError, match=r"^passes: unknown pass 'fuse_everything' \(available: "):

@@ -31,8 +31,8 @@ class _Record(CustomGraphPass):
     # Inductor copies the pass object it is configured with, so the graphs go to the class.
     graphs: ClassVar[list[fx.GraphModule]] = []
 
-    def __init__(self, enabled: tuple[str, ...]) -> None:
-        self.manager = PassManager(enabled)
+    def __init__(self, manager: PassManager) -> None:
+        self.manager = manager
 
     def __call__(self, graph: fx.Graph) -> None:
         _Record.graphs.append(_runnable(graph))
@@ -64,7 +64,9 @@ def post_grad_graphs(
     Call them with the step tensors."""
     ep = export_step(kind, model, state, inputs)
     _Record.graphs.clear()
-    options = {"post_grad_custom_post_pass": _Record(passes), "fx_graph_cache": False}
+    manager = PassManager(passes)
+    manager.learn(model)  # what a capture's passes know of the weights; nothing packed
+    options = {"post_grad_custom_post_pass": _Record(manager), "fx_graph_cache": False}
     with tempfile.TemporaryDirectory() as tmp:
         try:
             compile_package(ep, Path(tmp) / "graph.pt2", options)

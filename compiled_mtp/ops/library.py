@@ -80,3 +80,11 @@ def serves(model: torch.nn.Module) -> bool:
     built before the first step only then."""
     weight = next(model.parameters())
     return weight.device.type == "cpu" and weight.dtype == torch.float32
+
+
+def read_bytes(weight: torch.Tensor) -> int:
+    """Bytes a step reads for `weight`: those of its panels where a C++ op has read it from panels
+    (half its own for a weight of bfloat16 values, see csrc/panels.h), else its own."""
+    on_cpu = weight.device.type == "cpu" and weight.dtype == torch.float32
+    panels = torch.ops.compiled_mtp.panel_bytes(weight) if on_cpu and load() else 0
+    return panels or weight.nbytes

@@ -6,7 +6,8 @@ elements, Inductor's loops on smaller ones) and a kernel of Inductor's, each
 with its own start and its threads' barrier; on 5-16 rows (a batch of 4 verifying drafts), three
 packed oneDNN linears. The op does the MLP in one call (the routed-experts
 kernel with one expert every row takes at weight 1), reading gate and up together for all the rows,
-then down. The gains and the row range are measured in benchmarks/README.md.
+then down. The gains and the row range are measured in benchmarks/README.md. On weights of
+bfloat16 values (passes/weights.py) the op reads bfloat16 panels, half the bytes, and takes 1 row too.
 
 The MLP is found by provenance (region.py): one connected region per call, with the function's four
 inputs and one output; gate and up have the same shape, so the region and the op run on seeded probe
@@ -24,8 +25,11 @@ from torch import fx
 
 from ..models.layers import dense_mlp
 from .region import Region, RegionPass, Unfusable, one_agreeing
+from .weights import BFLOAT16_VALUES
 
 MIN_ROWS, MAX_ROWS = 2, 16
+# On weights of bfloat16 values the op reads half the bytes, which pays for its call at 1 row too.
+BFLOAT16_MIN_ROWS = 1
 
 
 class FuseDenseMLP(RegionPass):
@@ -33,7 +37,7 @@ class FuseDenseMLP(RegionPass):
     op_name = "dense_mlp"
     native = True
     arity = (4, 1)
-    settings = (MIN_ROWS, MAX_ROWS)
+    settings = (MIN_ROWS, BFLOAT16_MIN_ROWS, MAX_ROWS)
 
     def _check(self, inputs: list[fx.Node], outputs: list[fx.Node]) -> None:
         if (
@@ -48,8 +52,9 @@ class FuseDenseMLP(RegionPass):
         """(x, gate, up, down) -> out; gate and up told apart on probes."""
         out = outputs[0].meta["val"]
         rows = math.prod(out.shape[:-1])
-        if not MIN_ROWS <= rows <= MAX_ROWS:
-            raise Unfusable(f"{rows} row(s), outside [{MIN_ROWS}, {MAX_ROWS}]", expected=True)
+        least = BFLOAT16_MIN_ROWS if BFLOAT16_VALUES.get() else MIN_ROWS
+        if not least <= rows <= MAX_ROWS:
+            raise Unfusable(f"{rows} row(s), outside [{least}, {MAX_ROWS}]", expected=True)
         candidates = [
             list(args) for args in itertools.permutations(inputs) if _fits(*(n.meta["val"] for n in args))
         ]

@@ -23,6 +23,7 @@ from .live_attention import LiveAttention
 from .narrow_linear import NarrowLinear
 from .packed_linear import PackedLinear
 from .panel_linear import PanelLinear
+from .weights import BFLOAT16_VALUES, bfloat16_values
 
 # name -> pass instance, in the order they run; each pass lives in its own module of this package.
 # The passes that replace traced regions go first: they look for the graph as traced. narrow_linear
@@ -55,14 +56,24 @@ class PassManager(CustomGraphPass):
                 f"passes: unknown pass {unknown[0]!r} (available: {', '.join(available()) or 'none'})"
             )
         self.enabled = tuple(name for name in REGISTRY if name in enabled)
+        self.bfloat16_values = False  # the model's weights, once learn() has seen them (weights.py)
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        for name in self.enabled:
-            REGISTRY[name](graph)
+        token = BFLOAT16_VALUES.set(self.bfloat16_values)
+        try:
+            for name in self.enabled:
+                REGISTRY[name](graph)
+        finally:
+            BFLOAT16_VALUES.reset(token)
+
+    def learn(self, model: torch.nn.Module) -> None:
+        """Take what the passes know of `model`'s weights (weights.py), leaving the model as it is."""
+        self.bfloat16_values = bool(self.enabled) and library.serves(model) and bfloat16_values(model)
 
     def prepare(self, model: torch.nn.Module) -> None:
-        """What the enabled passes do once per model, before any graph is built or loaded (pack
-        weights, build the C++ ops), so that no step served waits for it."""
+        """What the enabled passes do once per model, before any graph is built or loaded (learn its
+        weights, pack them, build the C++ ops), so that no step served waits for it."""
+        self.learn(model)
         if self.enabled and library.serves(model):
             library.load()
         for name in self.enabled:
@@ -71,7 +82,9 @@ class PassManager(CustomGraphPass):
                 prepare(model)
 
     def uuid(self) -> str:
-        parts = [f"{name}:{REGISTRY[name].uuid()}" for name in self.enabled]
+        parts = [f"{name}:{REGISTRY[name].uuid()}" for name in self.enabled] + [
+            f"bf16:{self.bfloat16_values}"
+        ]
         return hashlib.sha256("|".join(parts).encode()).hexdigest()
 
 

@@ -25,7 +25,9 @@ reduces it across lanes. The shipped model's 4096 x 256 LM head, read cold at 2 
 ms against Inductor's 27.1-27.8 (LM head alone) when this machine's memory was fast. At 2^17
 elements the shipped model's MLP weights went too and its 4-row verify took 1.53 ms against 1.43:
 there the call costs more than the arithmetic saves. At 1 row a separate call made the 250m verify
-1.2-2.5 ms slower (Inductor's code fuses the LM head with the final norm), so 1 row stays here.
+1.2-2.5 ms slower (Inductor's code fuses the LM head with the final norm), so 1 row stays here,
+unless the weights hold bfloat16 values (passes/weights.py): then the op reads bfloat16 panels, half
+the bytes, which pays for the call (docs/passes.md).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 from ..ops import library
 from .fx_nodes import LinearNode, call, linears, on_cpu_float32, replace
+from .weights import BFLOAT16_VALUES
 
 aten = torch.ops.aten
 NARROW_ROWS = 4  # the most rows this pass takes; panel_linear takes 5-16
@@ -46,6 +49,7 @@ NARROW_ROWS = 4  # the most rows this pass takes; panel_linear takes 5-16
 # costs less than the op's call, stay in Inductor's code, fused with their neighbours.
 KERNEL_WEIGHT = 1 << 18
 KERNEL_ROWS = 2
+BFLOAT16_KERNEL_ROWS = 1  # on weights of bfloat16 values (weights.py), whose panels are half the bytes
 
 
 class NarrowLinear(CustomGraphPass):
@@ -62,12 +66,14 @@ class NarrowLinear(CustomGraphPass):
 
     def uuid(self) -> str:
         return get_hash_for_files(
-            (__file__,), f"{NARROW_ROWS}/{KERNEL_WEIGHT}/{KERNEL_ROWS}/{library.version()}"
+            (__file__,),
+            f"{NARROW_ROWS}/{KERNEL_WEIGHT}/{KERNEL_ROWS}/{BFLOAT16_KERNEL_ROWS}/{library.version()}",
         ).hex()
 
 
 def _narrow(graph: fx.Graph, lin: LinearNode, kernel: bool) -> fx.Node:
-    if kernel and lin.weight_size >= KERNEL_WEIGHT and lin.rows >= KERNEL_ROWS:
+    least = BFLOAT16_KERNEL_ROWS if BFLOAT16_VALUES.get() else KERNEL_ROWS
+    if kernel and lin.weight_size >= KERNEL_WEIGHT and lin.rows >= least:
         return call(graph, torch.ops.compiled_mtp.panel_linear.default, lin.x, lin.weight)
     return _multiply_and_sum(graph, lin)
 

@@ -8,7 +8,8 @@ in panels of one vector of outputs, and keeps every row's sums for 3 panels in r
 reads each panel once per 8 rows and never reduces across lanes. Read cold, as in a verify, the
 shipped model's attention projections and LM head take about half the time MKL's and oneDNN's GEMMs
 do (benchmarks/bench_linear_rows.py; figures in benchmarks/README.md). On 1-4 rows narrow_linear
-keeps the small weights in Inductor's code and sends the large ones (2-4 rows) to this op too;
+keeps the small weights in Inductor's code and sends the large ones (2-4 rows; 1-4 where the
+weights hold bfloat16 values, passes/weights.py) to this op too;
 from 17 rows on GEMM libraries pack and block well, and packed_linear takes the large ones.
 
 Cost: each weight the op meets keeps a copy beside it, made when it first runs (an in-place update

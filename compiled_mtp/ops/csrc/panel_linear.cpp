@@ -2,7 +2,10 @@
 // from the weight's panels (panels.h), and the panels' copies and product that dense_mlp shares.
 #include <c10/core/StorageImpl.h>
 
+#include <c10/util/bit_cast.h>
+
 #include <mutex>
+#include <type_traits>
 #include <unordered_map>
 
 #include "panels.h"
@@ -11,9 +14,9 @@ namespace compiled_mtp {
 namespace {
 constexpr int64_t LANES = PANEL_LANES;
 constexpr int64_t PANELS = 3;  // panels a thread works on at once: 8 x 3 accumulators, 3 weight vectors
-// Steps along `in` that each panel is prefetched ahead (6 KB): with the hardware's prefetch alone, a
-// cold MLP at 4-16 rows took 1.05-1.2x the time, in turns (benchmarks/README.md).
-constexpr int64_t AHEAD = 96;
+// Bytes of each panel prefetched ahead (96 steps along `in` of float32): with the hardware's prefetch
+// alone, a cold MLP at 4-16 rows took 1.05-1.2x the time, in turns (benchmarks/README.md).
+constexpr int64_t AHEAD_BYTES = 96 * LANES * sizeof(float);
 
 struct Panels {
     c10::weak_intrusive_ptr<c10::StorageImpl> storage;  // the weight's: a freed weight never matches
@@ -36,34 +39,72 @@ bool matches(const Panels& p, const at::Tensor& w) {
            p.packed.size(1) == w.size(1);
 }
 
-at::Tensor pack(const at::Tensor& w) {
-    const int64_t n = w.size(0), k = w.size(1), panels = (n + LANES - 1) / LANES;
-    at::Tensor packed = at::empty({panels, k, LANES}, w.options());
-    const float* src = w.data_ptr<float>();
-    float* dst = packed.data_ptr<float>();
-    at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+// Whether every element of `w` is a bfloat16 value: its low 16 bits are all zero.
+bool bfloat16_exact(const at::Tensor& w) {
+    const uint32_t* bits = reinterpret_cast<const uint32_t*>(w.data_ptr<float>());
+    for (int64_t i = 0; i < w.numel(); i++) {
+        if (bits[i] & 0xffffu) return false;
+    }
+    return true;
+}
+
+template <typename W>
+void pack_into(const float* src, W* dst, int64_t n, int64_t k) {
+    at::parallel_for(0, (n + LANES - 1) / LANES, 1, [&](int64_t p0, int64_t p1) {
         for (int64_t p = p0; p < p1; p++) {
             for (int64_t c = 0; c < k; c++) {
                 for (int64_t lane = 0; lane < LANES; lane++) {
                     const int64_t j = p * LANES + lane;
-                    dst[(p * k + c) * LANES + lane] = j < n ? src[j * k + c] : 0.f;
+                    const float v = j < n ? src[j * k + c] : 0.f;
+                    if constexpr (std::is_same_v<W, float>) {
+                        dst[(p * k + c) * LANES + lane] = v;
+                    } else {
+                        dst[(p * k + c) * LANES + lane] = static_cast<W>(c10::bit_cast<uint32_t>(v) >> 16);
+                    }
                 }
             }
         }
     });
+}
+
+at::Tensor pack(const at::Tensor& w) {
+    const int64_t n = w.size(0), k = w.size(1), panels = (n + LANES - 1) / LANES;
+    const bool half = bfloat16_exact(w);
+    at::Tensor packed = at::empty({panels, k, LANES}, w.options().dtype(half ? at::kBFloat16 : at::kFloat));
+    if (half) {
+        pack_into(w.data_ptr<float>(), reinterpret_cast<uint16_t*>(packed.data_ptr()), n, k);
+    } else {
+        pack_into(w.data_ptr<float>(), packed.data_ptr<float>(), n, k);
+    }
     return packed;
 }
 
+// One vector of a panel as float32: bfloat16 bits widened by a shift, which is exact.
+inline Vec load_lanes(const float* p) { return Vec::loadu(p); }
+
+inline Vec load_lanes(const uint16_t* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+#elif defined(CPU_CAPABILITY_AVX2)
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+#else
+    float lanes[LANES];
+    for (int64_t i = 0; i < LANES; i++) lanes[i] = c10::bit_cast<float>(static_cast<uint32_t>(p[i]) << 16);
+    return Vec::loadu(lanes);
+#endif
+}
+
 // R rows (R <= PANEL_ROW_BLOCK) against P panels from output `col` on.
-template <int R, int P>
-void block(const float* x, const float* panels, float* out, int64_t k, int64_t n, int64_t col) {
+template <int R, int P, typename W>
+void block(const float* x, const W* panels, float* out, int64_t k, int64_t n, int64_t col) {
+    constexpr int64_t ahead = AHEAD_BYTES / (LANES * sizeof(W));
     Vec acc[R][P];
     for (int r = 0; r < R; r++) for (int p = 0; p < P; p++) acc[r][p] = Vec(0.f);
     for (int64_t c = 0; c < k; c++) {
         Vec w[P];
         for (int p = 0; p < P; p++) {
-            __builtin_prefetch(panels + (p * k + c + AHEAD) * LANES, 0, 1);  // never faults, also past the end
-            w[p] = Vec::loadu(panels + (p * k + c) * LANES);
+            __builtin_prefetch(panels + (p * k + c + ahead) * LANES, 0, 1);  // never faults, also past the end
+            w[p] = load_lanes(panels + (p * k + c) * LANES);
         }
         for (int r = 0; r < R; r++) {
             const Vec xr(x[r * k + c]);
@@ -78,8 +119,8 @@ void block(const float* x, const float* panels, float* out, int64_t k, int64_t n
     }
 }
 
-template <int P>
-void rows_against(const float* x, int64_t rows, const float* panels, float* out, int64_t k, int64_t n, int64_t col) {
+template <int P, typename W>
+void rows_against(const float* x, int64_t rows, const W* panels, float* out, int64_t k, int64_t n, int64_t col) {
     for (int64_t r0 = 0; r0 < rows; r0 += PANEL_ROW_BLOCK) {
         const float* xr = x + r0 * k;
         float* o = out + r0 * n;
@@ -96,6 +137,18 @@ void rows_against(const float* x, int64_t rows, const float* panels, float* out,
     }
 }
 
+template <typename W>
+void run_panels(const float* x, int64_t rows, int64_t k, const W* panels, int64_t n, float* out, int64_t q0, int64_t q1) {
+    for (int64_t p0 = q0; p0 < q1; p0 += PANELS) {
+        const W* group = panels + p0 * k * LANES;
+        switch (std::min(PANELS, q1 - p0)) {
+            case 1: rows_against<1>(x, rows, group, out, k, n, p0 * LANES); break;
+            case 2: rows_against<2>(x, rows, group, out, k, n, p0 * LANES); break;
+            default: rows_against<3>(x, rows, group, out, k, n, p0 * LANES); break;
+        }
+    }
+}
+
 at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& weight) {
     check(x_in, "panel_linear", "x", at::kFloat, 2);
     check(weight, "panel_linear", "weight", at::kFloat, 2, true);
@@ -104,7 +157,7 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& weight) {
     TORCH_CHECK(x_in.size(1) == k, "panel_linear: x has ", x_in.size(1), " columns, weight ", k);
     const at::Tensor x = x_in.contiguous(), panels = panels_of(weight);
     at::Tensor out = at::empty({rows, n}, x.options());
-    panel_product(x.data_ptr<float>(), rows, k, panels.data_ptr<float>(), n, out.data_ptr<float>());
+    panel_product(x.data_ptr<float>(), rows, k, panels, n, out.data_ptr<float>());
     return out;
 }
 
@@ -123,23 +176,30 @@ at::Tensor panels_of(const at::Tensor& w) {
     return copies.insert_or_assign(w.data_ptr(), std::move(entry)).first->second.packed;
 }
 
-void panel_run(const float* x, int64_t rows, int64_t k, const float* panels, int64_t n, float* out, int64_t q0, int64_t q1) {
-    for (int64_t p0 = q0; p0 < q1; p0 += PANELS) {
-        const float* group = panels + p0 * k * LANES;
-        switch (std::min(PANELS, q1 - p0)) {
-            case 1: rows_against<1>(x, rows, group, out, k, n, p0 * LANES); break;
-            case 2: rows_against<2>(x, rows, group, out, k, n, p0 * LANES); break;
-            default: rows_against<3>(x, rows, group, out, k, n, p0 * LANES); break;
-        }
+void panel_run(const float* x, int64_t rows, int64_t k, const at::Tensor& panels, int64_t n, float* out, int64_t q0, int64_t q1) {
+    if (panels.scalar_type() == at::kBFloat16) {
+        run_panels(x, rows, k, reinterpret_cast<const uint16_t*>(panels.data_ptr()), n, out, q0, q1);
+    } else {
+        run_panels(x, rows, k, panels.data_ptr<float>(), n, out, q0, q1);
     }
 }
 
-void panel_product(const float* x, int64_t rows, int64_t k, const float* panels, int64_t n, float* out) {
+void panel_product(const float* x, int64_t rows, int64_t k, const at::Tensor& panels, int64_t n, float* out) {
     // Each thread takes an equal run of panels and works through it PANELS at a time: handing out
     // whole groups of PANELS left a thread idle for a third of a 128-output linear (8 panels).
     at::parallel_for(0, (n + LANES - 1) / LANES, 1, [&](int64_t q0, int64_t q1) { panel_run(x, rows, k, panels, n, out, q0, q1); });
 }
 
+// compiled_mtp::panel_bytes(weight): the bytes of the panels the ops read in place of `weight`, or 0 if
+// none has read it yet; what a step reads for the weight (the bandwidth bound counts them).
+int64_t panel_bytes(const at::Tensor& w) {
+    std::lock_guard<std::mutex> guard(lock);
+    const auto found = copies.find(w.data_ptr());
+    return found != copies.end() && matches(found->second, w) ? static_cast<int64_t>(found->second.packed.nbytes()) : 0;
+}
+
 COMPILED_MTP_OP(panel_linear, "(Tensor x, Tensor weight) -> Tensor")
+TORCH_LIBRARY_FRAGMENT(compiled_mtp, m) { m.def("panel_bytes(Tensor weight) -> int"); }
+TORCH_LIBRARY_IMPL(compiled_mtp, CPU, m) { m.impl("panel_bytes", panel_bytes); }
 
 }  // namespace compiled_mtp

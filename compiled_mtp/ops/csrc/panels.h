@@ -2,7 +2,9 @@
 // (panel_linear.cpp; dense_mlp in routed_experts.cpp on up to 16 rows). A weight [out, in] becomes
 // [ceil(out / PANEL_LANES)][in][PANEL_LANES]: each step along `in` loads one vector of a panel and
 // multiplies it by a broadcast element of each row, so every output lane keeps its own sum and
-// nothing is reduced across lanes (see docs/passes.md, panel_linear).
+// nothing is reduced across lanes (see docs/passes.md, panel_linear). A weight whose every element is
+// a bfloat16 value (a bfloat16 checkpoint's, upcast) is copied as bfloat16: half the bytes to read,
+// and widened back on load to the same float32 values, so every product is bit for bit the same.
 #pragma once
 
 #include "ops.h"
@@ -13,14 +15,15 @@ constexpr int64_t PANEL_LANES = Vec::size();
 constexpr int64_t PANEL_ROW_BLOCK = 8;  // rows whose sums stay in registers
 constexpr int64_t PANEL_MAX_ROWS = 16;
 
-// The panels of `weight` (contiguous float32 [out, in]), made on its first use and kept beside it;
-// made again after an in-place update, and never served for a freed weight at the same address.
+// The panels of `weight` (contiguous float32 [out, in]; float32 or bfloat16, see above), made on its
+// first use and kept beside it; made again after an in-place update, and never served for a freed
+// weight at the same address.
 at::Tensor panels_of(const at::Tensor& weight);
 
 // Panels [q0, q1) of out [rows, n] = x [rows, k] W^T, on the calling thread.
-void panel_run(const float* x, int64_t rows, int64_t k, const float* panels, int64_t n, float* out, int64_t q0, int64_t q1);
+void panel_run(const float* x, int64_t rows, int64_t k, const at::Tensor& panels, int64_t n, float* out, int64_t q0, int64_t q1);
 
 // out [rows, n] = x [rows, k] W^T, reading W's panels (panels_of), on at::parallel_for's threads.
-void panel_product(const float* x, int64_t rows, int64_t k, const float* panels, int64_t n, float* out);
+void panel_product(const float* x, int64_t rows, int64_t k, const at::Tensor& panels, int64_t n, float* out);
 
 }  // namespace compiled_mtp

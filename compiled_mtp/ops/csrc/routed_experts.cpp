@@ -161,7 +161,7 @@ at::Tensor routed_experts(const at::Tensor& x_in, const at::Tensor& idx_in, cons
 static void panel_mlp(const float* x, const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down, float* out, int64_t n, int64_t h, int64_t inter) {
     const at::Tensor scratch = at::empty({2, n * inter}, gate.options());  // written in full before read
     float *act = scratch.data_ptr<float>(), *ups = act + n * inter;
-    const float *g = panels_of(gate).data_ptr<float>(), *u = panels_of(up).data_ptr<float>(), *d = panels_of(down).data_ptr<float>();
+    const at::Tensor g = panels_of(gate), u = panels_of(up), d = panels_of(down);
     const int64_t inner = (inter + PANEL_LANES - 1) / PANEL_LANES, outer = (h + PANEL_LANES - 1) / PANEL_LANES;
     #pragma omp parallel num_threads(at::get_num_threads())
     {

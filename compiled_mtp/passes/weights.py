@@ -1,0 +1,29 @@
+"""What the passes know of the model's weights while they run: whether every weight matrix holds
+bfloat16 values, as a bfloat16 checkpoint's do once upcast to float32.
+
+The C++ ops read such weights from bfloat16 panels (ops/csrc/panels.h), half the bytes and the same
+products bit for bit, so even a one-row product gains from leaving Inductor's code for an op call;
+with float32 values it does not (measured in docs/passes.md). The pass manager finds this out once
+per model and sets it while its passes run.
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+
+import torch
+
+BFLOAT16_VALUES: ContextVar[bool] = ContextVar("bfloat16_values", default=False)
+CHUNK = 1 << 22  # elements tested at once, so that a large LM head needs no copy of its own size
+
+
+def bfloat16_values(model: torch.nn.Module) -> bool:
+    """Whether every float32 parameter of two or more dimensions has only bfloat16 values (the low 16
+    bits of every element zero)."""
+    for p in model.parameters():
+        if p.dtype != torch.float32 or p.dim() < 2 or p.device.type != "cpu":
+            continue
+        bits = p.detach().reshape(-1).view(torch.int32)
+        if any(bool((chunk & 0xFFFF).any()) for chunk in bits.split(CHUNK)):
+            return False
+    return True

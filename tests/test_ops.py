@@ -35,13 +35,11 @@ def test_panel_linear_matches_f_linear_on_a_large_weight(rows):
     torch.testing.assert_close(ops.panel_linear(x, weight), expected, rtol=1e-5, atol=1e-4)
 
 
+PANEL_DRAWS = dict(rows=st.integers(1, 16), out_features=st.integers(1, 70), seed=st.integers(0, 2**16))
+
+
 @settings(max_examples=40, deadline=None)
-@given(
-    rows=st.integers(1, 16),
-    out_features=st.integers(1, 70),
-    in_features=st.integers(1, 40),
-    seed=st.integers(0, 2**16),
-)
+@given(**PANEL_DRAWS, in_features=st.integers(1, 40))
 def test_panel_linear_matches_f_linear(rows, out_features, in_features, seed):
     """Any row count it takes (blocks of 8 rows and their remainders), and output counts that leave a
     partial last panel and a partial group of panels."""
@@ -80,12 +78,7 @@ def _off_bfloat16(weight: torch.Tensor, index: tuple) -> torch.Tensor:
 
 
 @settings(max_examples=40, deadline=None)
-@given(
-    rows=st.integers(1, 16),
-    out_features=st.integers(1, 70),
-    in_features=st.integers(2, 40),
-    seed=st.integers(0, 2**16),
-)
+@given(**PANEL_DRAWS, in_features=st.integers(2, 40))
 def test_bfloat16_panels_give_the_float32_panels_products_bit_for_bit(rows, out_features, in_features, seed):
     """A weight of bfloat16 values is read from panels of half the bytes, and every product is bit for
     bit the one from float32 panels: the same weight with one element off the bfloat16 values, in a

@@ -12,7 +12,13 @@
 namespace compiled_mtp {
 
 constexpr int64_t PANEL_LANES = Vec::size();
-constexpr int64_t PANEL_ROW_BLOCK = 8;  // rows whose sums stay in registers
+// Rows whose sums stay in registers: a block's rows x 3 panels of sums, 3 weight vectors and an input
+// must fit the vector registers, 32 with AVX-512 and 16 with AVX2, where blocks of 8 rows spilled.
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int64_t PANEL_ROW_BLOCK = 8;
+#else
+constexpr int64_t PANEL_ROW_BLOCK = 4;
+#endif
 constexpr int64_t PANEL_MAX_ROWS = 16;
 
 // The panels of `weight` (contiguous float32 [out, in]; float32 or bfloat16, see above), made on its

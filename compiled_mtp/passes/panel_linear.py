@@ -5,12 +5,13 @@ several requests. MKL's GEMM, which Inductor calls for them, copies the whole we
 layout on every call, because the rows are few: profiled on the shipped model's 16-row verify, that
 copy took more time than MKL's arithmetic. The op reads a copy made once, on the weight's first use,
 in panels of one vector of outputs, and keeps every row's sums for 3 panels in registers, so it
-reads each panel once per 8 rows and never reduces across lanes. Read cold, as in a verify, the
-shipped model's attention projections and LM head take about half the time MKL's and oneDNN's GEMMs
-do (benchmarks/bench_linear_rows.py; figures in benchmarks/README.md). On 1-4 rows narrow_linear
-keeps the small weights in Inductor's code and sends the large ones (2-4 rows; 1-4 where the
-weights hold bfloat16 values, passes/weights.py) to this op too;
-from 17 rows on GEMM libraries pack and block well, and packed_linear takes the large ones.
+reads each panel once per block of rows (8 with AVX-512, 4 with AVX2) and never reduces across
+lanes. Read cold, as in a verify, the shipped model's attention projections and LM head take about
+half the time MKL's and oneDNN's GEMMs do (benchmarks/bench_linear_rows.py; figures in
+benchmarks/README.md). On 1-4 rows narrow_linear keeps the small weights in Inductor's code and
+sends the large ones (2-4 rows; 1-4 where the weights hold bfloat16 values, passes/weights.py) to
+this op too; from 17 rows on GEMM libraries pack and block well, and packed_linear takes the large
+ones.
 
 Cost: each weight the op meets keeps a copy beside it, made when it first runs (an in-place update
 of the weight makes a new one on its next use).

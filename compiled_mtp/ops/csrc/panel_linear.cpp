@@ -13,7 +13,7 @@
 namespace compiled_mtp {
 namespace {
 constexpr int64_t LANES = PANEL_LANES;
-constexpr int64_t PANELS = 3;  // panels a thread works on at once: 8 x 3 accumulators, 3 weight vectors
+constexpr int64_t PANELS = 3;  // panels a thread works on at once: a row block x 3 accumulators, 3 weight vectors
 // Bytes of each panel prefetched ahead (96 steps along `in` of float32): with the hardware's prefetch
 // alone, a cold MLP at 4-16 rows took 1.05-1.2x the time, in turns (benchmarks/README.md).
 constexpr int64_t AHEAD_BYTES = 96 * LANES * sizeof(float);

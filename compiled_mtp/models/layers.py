@@ -10,7 +10,6 @@ tensor values. The fixed-shape experts (`gathered_experts`) are found by name by
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Callable
 from typing import Any
@@ -367,7 +366,10 @@ class Context:
     def at(self, rows: Tensor) -> Context:
         """This context at row rows[b] of each request b, as a [B, 1] block: those rows' rope angles
         and visibility. For attending only: the whole block's entries are written through `self`."""
-        row = copy.copy(self)
+        # Field by field, not copy.copy or __dict__.update, which Dynamo before torch 2.13 cannot trace.
+        row = Context.__new__(Context)
+        for name in ("rope", "layout", "slots", "cache", "write_slot", "write_position"):
+            setattr(row, name, getattr(self, name))
         row.cos, row.sin, row.visible = (
             gather_rows(t, rows)[:, None] for t in (self.cos, self.sin, self.visible)
         )

@@ -19,7 +19,7 @@ from compiled_mtp.models.deepseek_v3 import latent_attention
 from compiled_mtp.models.layers import dense_mlp, gathered_experts
 from compiled_mtp.ops import library
 from compiled_mtp.passes import narrow_linear
-from compiled_mtp.passes.manager import available
+from compiled_mtp.passes.manager import PassManager, available
 
 ops = torch.ops.compiled_mtp
 aten = torch.ops.aten
@@ -349,3 +349,22 @@ def test_graphs_build_the_library_before_any_step_for_float32_cpu_models(tiny_ch
     assert library.load.cache_info().misses == 0
     CompiledGraphs(load_model(tiny_checkpoint), state, "inductor")
     assert library.load.cache_info().misses == 1 and library.load()
+
+
+def test_graphs_the_library_does_not_serve_never_build_it(tiny_checkpoint):
+    """A model whose graphs call none of the C++ ops (bfloat16 here; CUDA alike) compiles without
+    building the library: the passes look for regions they take first, and the uuid asks whether it
+    built only for CPU models."""
+    model = load_model(tiny_checkpoint, dtype=torch.bfloat16)
+    state = StaticState(model, num_slots=2, max_seq_len=16, max_depth=2)
+    key = GraphKey(GraphKind.target_verify, 2, 2)
+    sampling = {"fuse_verify_sampling", "fuse_draft_sampling"}  # their Python ops serve any dtype on CPU
+    library.load.cache_clear()
+    post_grad_graphs(
+        key.kind, model, state, example_inputs(key, model, 8), tuple(set(available()) - sampling)
+    )
+    manager = PassManager(available())
+    manager.on_cpu = False
+    manager.uuid()
+    assert library.load.cache_info().misses == 0
+    assert manager.uuid() != PassManager(available()).uuid()

@@ -45,8 +45,8 @@ class FuseDraftSampling(RegionPass):
         ).default
 
     @property
-    def settings(self) -> tuple:  # which op, and the C++ kernels' version
-        return (library.version() if library.load() else None,)
+    def settings(self) -> tuple:  # the C++ kernels' version (whether they built: PassManager.uuid)
+        return (library.version(),)
 
     def roles(
         self, region: set[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]

@@ -49,7 +49,7 @@ class FuseVerifySampling(RegionPass):
 
     @property
     def settings(self) -> tuple:  # read when the uuid is, so that a switch set later counts
-        return (FUSE_ON_CUDA, library.version() if library.load() else None)
+        return (FUSE_ON_CUDA, library.version())  # whether the C++ kernels built: PassManager.uuid
 
     def op_for(self, devices: set[str]) -> torch._ops.OpOverload:
         native = devices == {"cpu"} and library.load()

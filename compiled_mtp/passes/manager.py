@@ -57,6 +57,7 @@ class PassManager(CustomGraphPass):
             )
         self.enabled = tuple(name for name in REGISTRY if name in enabled)
         self.bfloat16_values = False  # the model's weights, once learn() has seen them (weights.py)
+        self.on_cpu = True  # likewise: only graphs on CPU call the C++ ops
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         token = BFLOAT16_VALUES.set(self.bfloat16_values)
@@ -69,6 +70,7 @@ class PassManager(CustomGraphPass):
     def learn(self, model: torch.nn.Module) -> None:
         """Take what the passes know of `model`'s weights (weights.py), leaving the model as it is."""
         self.bfloat16_values = bool(self.enabled) and library.serves(model) and bfloat16_values(model)
+        self.on_cpu = next(model.parameters()).device.type == "cpu"
 
     def prepare(self, model: torch.nn.Module) -> None:
         """What the enabled passes do once per model, before any graph is built or loaded (learn its
@@ -83,7 +85,10 @@ class PassManager(CustomGraphPass):
 
     def uuid(self) -> str:
         parts = [f"{name}:{REGISTRY[name].uuid()}" for name in self.enabled] + [
-            f"bf16:{self.bfloat16_values}"
+            f"bf16:{self.bfloat16_values}",
+            # Which ops the passes call: the C++ ones where they built. A CUDA model's graphs call none,
+            # so they do not wait for the library to build.
+            f"ops:{self.on_cpu and bool(self.enabled) and library.load()}",
         ]
         return hashlib.sha256("|".join(parts).encode()).hexdigest()
 

@@ -54,10 +54,10 @@ BFLOAT16_KERNEL_ROWS = 1  # on weights of bfloat16 values (weights.py), whose pa
 
 class NarrowLinear(CustomGraphPass):
     def __call__(self, graph: fx.Graph) -> None:
-        kernel = library.load()
-        for lin in linears(graph):
-            if lin.on_cpu_float32() and lin.rows <= NARROW_ROWS:
-                lin.replace(partial(_narrow, lin=lin, kernel=kernel), adds=False)
+        found = [lin for lin in linears(graph) if lin.on_cpu_float32() and lin.rows <= NARROW_ROWS]
+        kernel = bool(found) and library.load()  # a graph with nothing to take never builds the library
+        for lin in found:
+            lin.replace(partial(_narrow, lin=lin, kernel=kernel), adds=False)
         for bmm in graph.find_nodes(op="call_function", target=aten.bmm.default):
             a, b = bmm.args
             if on_cpu_float32(a, b) and a.meta["val"].shape[1] <= NARROW_ROWS:

@@ -34,11 +34,13 @@ PANEL_ROWS = 16  # the most rows compiled_mtp::panel_linear takes
 
 class PanelLinear(CustomGraphPass):
     def __call__(self, graph: fx.Graph) -> None:
-        if not library.load():
+        found = [
+            lin for lin in linears(graph) if lin.on_cpu_float32() and NARROW_ROWS < lin.rows <= PANEL_ROWS
+        ]
+        if not found or not library.load():  # a graph with nothing to take never builds the library
             return
-        for lin in linears(graph):
-            if lin.on_cpu_float32() and NARROW_ROWS < lin.rows <= PANEL_ROWS:
-                lin.replace(partial(_panel, lin=lin), adds=False)
+        for lin in found:
+            lin.replace(partial(_panel, lin=lin), adds=False)
         graph.eliminate_dead_code()
 
     def uuid(self) -> str:

@@ -104,10 +104,10 @@ class RegionPass(CustomGraphPass):
         devices = device_types(inputs)
         if not self.serves(devices):
             raise Unfusable(f"the op is not used on {'/'.join(sorted(devices))}", expected=True)
-        if self.native and not library.load():
-            raise Unfusable("the C++ ops did not build", expected=True)
         if self.native and not on_cpu_float32(*(n for n in inputs + outputs if _floating(n))):
             raise Unfusable("not a float32 graph (the C++ kernels take float32)", expected=True)
+        if self.native and not library.load():
+            raise Unfusable("the C++ ops did not build", expected=True)
         if (len(inputs), len(outputs)) != self.arity:
             raise Unfusable(
                 f"the region has {len(inputs)} inputs and {len(outputs)} "

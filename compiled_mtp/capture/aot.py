@@ -47,8 +47,9 @@ AOT_OPTIONS = {"aot_inductor.package_constants_in_so": False, "always_keep_tenso
 # Packages whose code ends up in the graphs (with this module, which sets how they are built).
 SOURCES = ("graphs", "models", "passes")
 FOLDED_ENTRY = "compiled_mtp_folded_constants.pt"  # in the package's extra/ folder
-# Loading a package built for CUDA crashed the process (SIGSEGV inside AOTInductor's package loader,
-# on an H100 with torch 2.11); until that is understood, CUDA graphs are not captured.
+# Loading any package built for CUDA, a plain MLP's too, kills the process (SIGSEGV inside
+# torch._inductor.aoti_load_package, H100, torch 2.11.0+cu130): scripts/aoti_cuda_load.py reproduces
+# it and is the check to pass on a CUDA install before CUDA graphs are captured.
 CPU_ONLY = "the capture cache holds CPU graphs only (AOTInductor packages built for CUDA crash its loader)"
 
 

@@ -6,12 +6,14 @@ committed tokens per second for the batch now running:
     value(K) = sum over requests of min(E_K(request), tokens it still wants) / cost(bucket, K)
 
 E_K = (1 + a_1 + a_1 a_2 + ... + a_1..a_K) * c_K, where a_j is the request's chance that draft j is
-accepted given that draft j - 1 was: an exponential moving average over the request's own steps, started
-from the runtime's history (accepted over proposed at each position, smoothed towards the position
-before). The same position accepts at different rates at different depths, because each depth's steps
-start at different places in the text, so c_K scales the request's rates by how much more (or less)
-the runtime's steps at depth K have committed than its steps at every depth: the ratio of the two
-histories' expected tokens, depth K's shrunk towards the pooled one by PSEUDO_STEPS.
+accepted given that draft j - 1 was: an exponential moving average over the request's own steps
+(`request_alpha` a step: a larger weight lets one rejection move a lone request off the best depth;
+benchmarks/auto_simulate.py), started from the runtime's history (accepted over proposed at each
+position, smoothed towards the position before). The same position accepts at different rates at
+different depths, because each depth's steps start at different places in the text, so c_K scales the
+request's rates by how much more (or less) the runtime's steps at depth K have committed than its steps
+at every depth: the ratio of the two histories' expected tokens, depth K's shrunk towards the pooled one
+by PSEUDO_STEPS.
 
 cost(bucket, K) is a key's wall time at a reference speed of the machine, the first UNTIMED_CALLS left
 out: the first compiles or loads the graphs, and the second runs on the caches that loading emptied (up
@@ -33,6 +35,12 @@ older than that is replaced by the new measurement rather than averaged with it;
 `close` of the current one's value runs every `close_probe_every` steps, its cost averaged over
 those probes: a near tie is what one noisy measurement decides wrongly, and a probe of a depth worth
 nearly as much costs nearly nothing. Of the depths due, the most valuable runs first.
+
+A probe of a depth far behind costs more: its step takes longer than the current depth would for the
+same tokens, and leaving depth 0 first runs the MTP catch-up (whose time the runtime reports). So a
+far depth waits, beyond `probe_every`, until its probe's loss is at most `probe_share` of the time
+of the steps since its last one, but never more than `probe_most` steps: where K=0 wins by far (a
+large batch), three probes of deeper steps every 64 cost several percent.
 """
 
 from __future__ import annotations
@@ -67,7 +75,7 @@ class DepthPolicy:
         self,
         depths: Sequence[int],
         *,
-        request_alpha: float = 0.3,
+        request_alpha: float = 0.15,
         cost_alpha: float = 0.2,
         speed_alpha: float = 0.3,
         margin: float = 0.02,
@@ -75,6 +83,8 @@ class DepthPolicy:
         probe_every: int = 64,
         close: float = 0.1,
         close_probe_every: int = 16,
+        probe_share: float = 0.005,
+        probe_most: int = 256,
     ) -> None:
         self.depths = tuple(sorted(depths))
         self.request_alpha = request_alpha
@@ -85,6 +95,8 @@ class DepthPolicy:
         self.probe_every = probe_every
         self.close = close
         self.close_probe_every = close_probe_every
+        self.probe_share = probe_share
+        self.probe_most = probe_most
         self.current = self.depths[-1]
         self._cost: dict[Key, float] = {}  # seconds at the bucket's speed 1
         self._speed: dict[int, float] = {}  # each bucket's time over its keys' costs, lately
@@ -96,6 +108,10 @@ class DepthPolicy:
         # Drafts proposed and accepted at each position, by the depth of the step.
         self._proposed = {k: [0] * k for k in self.depths}
         self._accepted = {k: [0] * k for k in self.depths}
+        self._observed = 0  # drafts tested so far: calibration() changes only with them
+        self._calibrated: tuple[int, dict[int, float]] = (-1, {})
+        self._catch_up: dict[int, float] = {}  # each bucket's MTP catch-up, seconds at its speed 1
+        self._catch_ups: Counter[int] = Counter()
 
     def counts(self) -> tuple[list[int], list[int]]:
         """Drafts proposed and accepted at each position, over the steps of every depth."""
@@ -113,7 +129,13 @@ class DepthPolicy:
         return rates
 
     def calibration(self) -> dict[int, float]:
-        """c_K for every depth: expected tokens from depth K's own steps over those from all steps."""
+        """c_K for every depth: expected tokens from depth K's own steps over those from all steps.
+        Computed again only after new drafts were tested (not on a stretch of depth-0 steps)."""
+        if self._calibrated[0] != self._observed:
+            self._calibrated = (self._observed, self._calibrate())
+        return self._calibrated[1]
+
+    def _calibrate(self) -> dict[int, float]:
         pooled = self.prior()
         out = {}
         for k in self.depths:
@@ -129,6 +151,7 @@ class DepthPolicy:
         the history. Positions past the first rejection were not tested and stay as they were."""
         for j in range(min(accepted + 1, depth)):
             hit = j < accepted
+            self._observed += 1
             self._proposed[depth][j] += 1
             self._accepted[depth][j] += hit
             rates[j] += self.request_alpha * (hit - rates[j])
@@ -148,6 +171,15 @@ class DepthPolicy:
         else:
             self._cost[key] = old + self.cost_alpha * (seconds / speed - old)
         self._measured_at[key] = self._steps[bucket]
+
+    def record_catch_up(self, bucket: int, seconds: float) -> None:
+        """The wall time of an MTP catch-up before a step of `bucket` (its first calls not counted)."""
+        self._catch_ups[bucket] += 1
+        if self._catch_ups[bucket] <= UNTIMED_CALLS:
+            return
+        cost = seconds / self._speed.get(bucket, 1.0)
+        old = self._catch_up.get(bucket, cost)
+        self._catch_up[bucket] = old + self.cost_alpha * (cost - old)
 
     def expected(self, rates: Sequence[Sequence[float]], remaining: Sequence[int]) -> dict[int, float]:
         """Tokens a batch is expected to commit in one step at each depth: its requests' rates,
@@ -172,11 +204,22 @@ class DepthPolicy:
 
         def due(k: int) -> bool:
             near = value[k] * (1 + self.close) >= value[self.current]
-            every = self.close_probe_every if near else self.probe_every
+            every = self.close_probe_every if near else self._far_every(bucket, k, value)
             return self._steps[bucket] - self._measured_at[bucket, k] > every
 
         probes = [k for k in self.depths if k != self.current and due(k)]
         return max(probes, key=lambda k: value[k], default=self.current)
+
+    def _far_every(self, bucket: int, k: int, value: dict[int, float]) -> float:
+        """Steps between probes of depth k, far behind the current depth: its probe's loss (the time
+        its step takes beyond what the current depth takes for the same tokens, plus the catch-up
+        when leaving depth 0) at most probe_share of the steps' time between, in probe_every..probe_most."""
+        current = self.current
+        loss = self._cost[bucket, k] * max(0.0, 1 - value[k] / value[current])
+        if current == 0 < k:
+            loss += self._catch_up.get(bucket, 0.0)
+        steps = loss / (self.probe_share * self._cost[bucket, current])
+        return min(self.probe_most, max(self.probe_every, steps))
 
 
 def depth_arg(text: str) -> int | str:

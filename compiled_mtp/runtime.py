@@ -419,7 +419,9 @@ class Runtime:
         lens = self._tensor([r.seq_len for r in reqs] + [1] * pad)
         window = self.state.lag_window
         if plan.catch_up and any(r.lag and (k > 0 or r.lag >= window) for r in reqs):
+            began = time.perf_counter()
             self._catch_up(plan.catch_up, reqs, slots, lens)
+            self._policy.record_catch_up(bucket, time.perf_counter() - began)
         start = time.perf_counter()
         noise = self._noise(reqs, bucket, plan.uniforms)  # drawn at once; each graph takes its columns
         decode_cols, verify_cols, extend_cols = plan.columns

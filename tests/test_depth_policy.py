@@ -97,7 +97,7 @@ def test_speculation_is_chosen_when_it_pays_and_dropped_when_it_does_not():
 def test_costs_follow_the_measurements():
     """Depth 2 became slow and depth 0 did not. Depth 2's own steps cannot tell that from a slower
     machine; the next step of depth 0, timed against them, can."""
-    policy = DepthPolicy((0, 2), probe_every=4, close=0.0)
+    policy = DepthPolicy((0, 2), probe_every=4, probe_most=4, close=0.0)
     _measured(policy, 1, {0: 1.0, 2: 1.2})
     true_cost = {0: 1.0, 2: 3.0}  # for 1.75 tokens at depth 2, 1 at depth 0
     chosen = _served(policy, 1, [[0.5, 0.5]], 8, lambda step, k: true_cost[k])
@@ -139,7 +139,7 @@ def test_a_depth_that_lost_on_a_stale_cost_is_measured_again():
     """Depth 0 was measured once, slow (the machine was busy), so depth 1 won and depth 0 never ran
     again. Every probe_every steps the runner-up runs once; its fresh cost replaces the stale one,
     and the policy moves to it, then keeps probing the depth it left."""
-    policy = DepthPolicy((0, 1), probe_every=8, close=0.0)  # no near tie (next test)
+    policy = DepthPolicy((0, 1), probe_every=8, probe_most=8, close=0.0)  # no near tie (next test)
     _measured(policy, 4, {0: 10.0, 1: 2.0})
     true_cost = {0: 1.0, 1: 2.0}  # 1 token for 1.0 beats 1.84 for 2.0
     chosen = _served(policy, 4, [[0.84]], 30, lambda step, k: true_cost[k])
@@ -152,7 +152,7 @@ def test_a_depth_behind_the_runner_up_on_a_stale_cost_is_measured_again():
     """Depth 2 was measured once, slow (6.0 for a true 3.9), which put it behind depth 3 as well as
     depth 1; probing only the runner-up (depth 3) would never run it again. Every depth not run for
     probe_every steps runs once, the runner-up first, and depth 2's fresh cost wins."""
-    policy = DepthPolicy((1, 2, 3), probe_every=8, close=0.0)  # no near tie
+    policy = DepthPolicy((1, 2, 3), probe_every=8, probe_most=8, close=0.0)  # no near tie
     _measured(policy, 4, {1: 3.0, 2: 6.0, 3: 5.0})
     true_cost, rates = {1: 3.0, 2: 3.9, 3: 5.0}, [[0.84, 0.74, 0.58]]  # 1.84, 2.46 and 2.82 tokens
     chosen = _served(policy, 4, rates, 12, lambda step, k: true_cost[k])
@@ -193,3 +193,34 @@ def test_observe_updates_only_the_tested_positions(accepted, depth, rates):
             assert 0 <= rates[j] <= before[j]
     prior = policy.prior()
     assert len(prior) == 4 and all(0 < p < 1 for p in prior)
+
+
+def test_a_far_depth_is_probed_as_often_as_its_loss_allows():
+    """K=0 wins by far, as at a large batch: a probe of depth 3 takes 4.0 for 2.05 tokens, which take
+    2.05 at depth 0 (a loss of 1.95), and leaving depth 0 runs a catch-up of 1.2 first. At 1% of the
+    steps' time per probe, depth 3 would wait 315 steps, capped at probe_most = 200; depth 1, losing
+    0.2 + 1.2, waits 140; without the catch-up, probe_every = 64."""
+    rates = [[0.6, 0.5, 0.5]]  # 1.6 tokens at depth 1, 2.05 at depth 3
+    true_cost = {0: 1.0, 1: 1.8, 3: 4.0}
+    policy = DepthPolicy((0, 1, 3), probe_share=0.01, probe_most=200, close=0.0)
+    _measured(policy, 8, true_cost)
+    for seconds in (5.0, 5.0, 1.2):  # the first two calls are never counted
+        policy.record_catch_up(8, seconds)
+    chosen = _served(policy, 8, rates, 420, lambda step, k: true_cost[k])
+    probes = {k: [step for step, c in enumerate(chosen) if c == k] for k in (1, 3)}
+    assert probes[1] == [140, 281] and probes[3] == [200, 401]
+    policy = DepthPolicy((0, 1, 3), probe_share=0.01, probe_most=200, close=0.0)
+    _measured(policy, 8, true_cost)
+    chosen = _served(policy, 8, rates, 140, lambda step, k: true_cost[k])
+    assert [step for step, c in enumerate(chosen) if c == 1] == [64, 129]
+
+
+@given(steps=st.lists(st.tuples(st.sampled_from([0, 1, 3]), st.integers(0, 3), st.booleans()), max_size=30))
+def test_calibration_is_recomputed_whenever_drafts_were_tested(steps):
+    """Asked between observations or not, calibration() equals a fresh computation from the counts."""
+    policy = DepthPolicy((0, 1, 3))
+    for depth, accepted, ask in steps:
+        policy.observe([0.5] * 3, depth, min(accepted, depth))
+        if ask:
+            policy.calibration()
+        assert policy.calibration() == policy._calibrate()

@@ -1,0 +1,68 @@
+"""Auto's choices, simulated on a bench run's measured step times, against the best fixed depth.
+
+    python benchmarks/auto_simulate.py                                  # the policy as it ships
+    python benchmarks/auto_simulate.py --setting request_alpha=0.3 --setting probe_most=64
+
+Each (B, K) step costs the iteration time `compiled-mtp bench` measured (benchmarks/bench-cpu.json,
+host time included); each draft position is accepted at the shipped model's held-out rate at K=3
+(train_log.json, conditional on the position before), seeded. For each B, B requests of `--tokens`
+tokens run at every fixed depth and under DepthPolicy with each `--setting` (the defaults first),
+each step's time off its cost by up to +-`--noise` (this machine's memory speed moves that much), and
+the mean over `--seeds` seeds is printed against the best fixed depth's. SIMULATED: no catch-up runs,
+and the costs do not move with the depth schedule as a real machine's do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_preset import shipped_rates, simulate  # noqa: E402
+
+
+def setting(text: str) -> tuple[str, float]:
+    name, _, value = text.partition("=")
+    return name, float(value)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bench", type=Path, default=ROOT / "benchmarks" / "bench-cpu.json")
+    parser.add_argument(
+        "--setting", type=setting, action="append", default=[], help="NAME=VALUE of DepthPolicy"
+    )
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--noise", type=float, nargs="+", default=[0.0, 0.2])
+    parser.add_argument("--seeds", type=int, default=16)
+    args = parser.parse_args()
+    rows = json.loads(args.bench.read_text())["engine"]
+    costs: dict[int, dict[int, float]] = {}
+    for row in rows:
+        if row["k"] != "auto":
+            costs.setdefault(row["batch"], {})[row["k"]] = row["iteration_ms"]
+    rates = shipped_rates()
+    policies = [{}] + [dict([s]) for s in args.setting]
+
+    def mean(batch: int, depths: dict[int, float], noise: float, **settings: float) -> float:
+        runs = [simulate(batch, depths, args.tokens, rates, s, noise, **settings) for s in range(args.seeds)]
+        return statistics.mean(r["tok_s"] for r in runs)
+
+    for batch, cost in sorted(costs.items()):
+        for noise in args.noise:
+            fixed = {k: mean(batch, {k: ms}, noise) for k, ms in cost.items()}
+            best = max(fixed, key=fixed.__getitem__)
+            line = f"B={batch} noise {noise:.0%}: best fixed K={best} {fixed[best]:.0f} tok/s; auto"
+            for settings in policies:
+                name = ",".join(f"{k}={v:g}" for k, v in settings.items()) or "as shipped"
+                line += f"  {name} {mean(batch, cost, noise, **settings) / fixed[best]:.3f}x"
+            print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()

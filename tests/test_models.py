@@ -126,3 +126,16 @@ def test_mtp_rows_equal_the_whole_block_and_write_the_same_cache(block):
     got = model.forward_mtp(0, tokens, hidden, positions, write, slots, rows_cache, rows)
     torch.testing.assert_close(got, gather_rows(whole, rows), atol=ATOL, rtol=RTOL)
     assert torch.equal(rows_cache, whole_cache)
+
+
+def test_a_context_at_rows_keeps_every_field_and_gathers_the_rows(tiny_checkpoint):
+    """Context.at lists the fields it copies (Dynamo before torch 2.13 traces no copy.copy): a field
+    added to Context but not to that list would be missing from the MTP layer's one-row attention."""
+    model = load_model(tiny_checkpoint)
+    positions = torch.tensor([[0, 1, 2], [3, 4, 5]])
+    cache = model.new_cache(1, 3, 8)
+    ctx = model.context(positions, torch.tensor([0, 1, 2, 11, 12, 13]), torch.tensor([0, 1]), cache)
+    row = ctx.at(torch.tensor([2, 0]))
+    assert type(row) is type(ctx) and vars(row).keys() == vars(ctx).keys()
+    assert torch.equal(row.visible, ctx.visible[[0, 1], [2, 0]][:, None])
+    assert torch.equal(row.cos, ctx.cos[[0, 1], [2, 0]][:, None]) and row.cache is ctx.cache

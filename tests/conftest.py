@@ -12,6 +12,14 @@ import torch
 # The commands and Runtime.from_pretrained default to the per-user capture cache: the tests get their own.
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="compiled_mtp_tests_")
 
+# pytest-xdist: each worker takes its share of the cores (OpenMP threads beyond them spin at every
+# barrier while another process holds the core), and so do the processes the tests start, whose
+# graphs must be built for the same thread count as the worker's (it is in the capture cache's key).
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    _threads = max(1, torch.get_num_threads() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    torch.set_num_threads(_threads)
+    os.environ["OMP_NUM_THREADS"] = str(_threads)
+
 if not torch.cuda.is_available():  # before any Triton kernel is defined: they run in Triton's interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

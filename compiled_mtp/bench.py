@@ -10,10 +10,11 @@ What it measures (greedy decoding throughout, the same prompts for every system)
   its costs there), then `--runs` rounds in which every system runs once in turn, so a change in
   memory speed meets them all; the best run counts, B * new tokens / wall seconds of the whole run
   (prefill included). Each row's speedup over K=0 at its B is set beside the bandwidth bound's
-  speedup and the fraction of it achieved. Host
-  time per iteration is stats()["host_seconds"] / decode steps over the decode-only steps of the best
-  run (every step after the first, which prefills all B prompts); its share is that over the
-  decode-only wall time per step;
+  speedup and the fraction of it achieved. The goals' ratios of two systems, of their best runs, come
+  with the same ratio taken round by round (median and range), in which a drift in memory speed
+  between rounds cancels. Host time per iteration is stats()["host_seconds"] / decode steps over the
+  decode-only steps of the best run (every step after the first, which prefills all B prompts); its
+  share is that over the decode-only wall time per step;
 - HF transformers `generate` at each B and `generate(use_mtp=True)` at B = 1 (HF refuses batches),
   the same way: warm-up run, best of `--runs`, whole-call wall time;
 - on CPU, where llama-cpp-python is installed, llama.cpp at B = 1 on a GGUF export of the same
@@ -44,10 +45,11 @@ import argparse
 import datetime
 import json
 import platform
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -134,6 +136,7 @@ class EngineRun:
     bound_speedup: float = 0.0  # bound_tokens_per_s over K=0's
     bound_fraction: float = 0.0  # speedup / bound_speedup
     depth_histogram: dict[int, int] | None = None  # auto: decode steps run at each depth, timed runs
+    decode_runs: list[float] = field(default_factory=list)  # decode tok/s of each timed run, by round
 
 
 @dataclass
@@ -308,7 +311,7 @@ def engine_run(k: int | str, prompts: list[list[int]], new_tokens: int, timings:
     best = min(timings, key=lambda t: t.seconds)
     iteration = best.decode_seconds / best.decode_steps
     host = best.host_seconds / best.decode_steps
-    return EngineRun(
+    run = EngineRun(
         k,
         b,
         b * new_tokens / best.seconds,
@@ -320,6 +323,8 @@ def engine_run(k: int | str, prompts: list[list[int]], new_tokens: int, timings:
         length,
         best.decode_steps,
     )
+    run.decode_runs = [b * (new_tokens - 1) / t.decode_seconds for t in timings]
+    return run
 
 
 def _runtimes(model: CausalLM, args: argparse.Namespace) -> dict[int | str, Runtime]:
@@ -554,6 +559,15 @@ def _engine_row(runs: list[EngineRun], k: int | str, b: int) -> EngineRun | None
     return next((r for r in runs if r.k == k and r.batch == b), None)
 
 
+def paired_ratio(a: EngineRun, b: EngineRun) -> str:
+    """a's decode tok/s over b's round by round: the two ran one after the other in each round, so a
+    change in memory speed between rounds, which moves the best runs of each apart, cancels."""
+    ratios = sorted(x / y for x, y in zip(a.decode_runs, b.decode_runs))
+    if not ratios:
+        return "no rounds"
+    return f"per round {statistics.median(ratios):.2f}x, {ratios[0]:.2f}-{ratios[-1]:.2f}x over {len(ratios)}"
+
+
 def _speedup_goal(runs: list[EngineRun], b: int, goal: float) -> list[Goal]:
     """Best configuration (auto included) over K=0 at B, and the fraction of its bound's speedup."""
     name = f"best K vs K=0 at B={b}"
@@ -564,7 +578,7 @@ def _speedup_goal(runs: list[EngineRun], b: int, goal: float) -> list[Goal]:
     best = max(rows, key=lambda r: r.decode_tokens_per_s)
     detail = (
         f"K={best.k}: {best.decode_tokens_per_s:.1f} vs {base.decode_tokens_per_s:.1f} decode tok/s"
-        f" ({best.tokens_per_s / base.tokens_per_s:.2f}x with the prefill)"
+        f" ({best.tokens_per_s / base.tokens_per_s:.2f}x with the prefill; {paired_ratio(best, base)})"
     )
     fraction = f"K={best.k}: {best.speedup:.2f}x of a bound of {best.bound_speedup:.2f}x"
     return [
@@ -591,7 +605,7 @@ def _auto_goals(runs: list[EngineRun]) -> list[Goal]:
         value = auto.decode_tokens_per_s / best.decode_tokens_per_s
         detail = (
             f"{auto.decode_tokens_per_s:.1f} vs K={best.k} {best.decode_tokens_per_s:.1f} decode tok/s"
-            f"; steps per depth {auto.depth_histogram}"
+            f" ({paired_ratio(auto, best)}); steps per depth {auto.depth_histogram}"
         )
         out.append(
             Goal(

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from compiled_mtp import bench, llama_cpp_peer
 from compiled_mtp.capture.profile import DEFAULT_MODEL
@@ -80,6 +82,7 @@ def test_values_are_sane(result):
         assert e["decode_tokens_per_s"] > e["tokens_per_s"] * (NEW_TOKENS - 1) / NEW_TOKENS
         assert 1 <= e["acceptance_length"] <= (max(DEPTHS) if e["k"] == "auto" else e["k"]) + 1
         assert e["bound_tokens_per_s"] > 0 and e["bound_speedup"] > 0
+        assert len(e["decode_runs"]) == 1 and e["decode_runs"][0] == pytest.approx(e["decode_tokens_per_s"])
         base = next(r for r in data["engine"] if r["k"] == 0 and r["batch"] == e["batch"])
         assert e["speedup"] == pytest.approx(e["decode_tokens_per_s"] / base["decode_tokens_per_s"])
         assert e["bound_fraction"] == pytest.approx(e["speedup"] / e["bound_speedup"])
@@ -129,6 +132,22 @@ def test_a_peer_that_differs_is_reported(tokens, expected, differ):
     run = bench.peer_run(tokens, expected, [0.5, 0.25])
     assert (run.same_tokens, run.first_difference) == (differ is None, differ)
     assert run.tokens_per_s == len(expected) / 0.25
+
+
+@given(rates=st.lists(st.tuples(st.floats(1, 1e4), st.floats(1, 1e4)), min_size=1, max_size=9))
+def test_paired_ratio_is_the_median_and_range_of_each_rounds_ratio(rates):
+    """The ratio is taken within each round, never across: a and b of round i against each other."""
+    a, b = (bench.EngineRun(k, 1, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1) for k in (1, 0))
+    a.decode_runs, b.decode_runs = [x for x, _ in rates], [y for _, y in rates]
+    ratios = sorted(x / y for x, y in rates)
+    median = (
+        ratios[len(ratios) // 2]
+        if len(ratios) % 2
+        else (ratios[len(ratios) // 2 - 1] + ratios[len(ratios) // 2]) / 2
+    )
+    assert bench.paired_ratio(a, b) == (
+        f"per round {median:.2f}x, {ratios[0]:.2f}-{ratios[-1]:.2f}x over {len(ratios)}"
+    )
 
 
 def test_plot_is_written(result):

@@ -3,12 +3,14 @@
 Each REV is checked out in a git worktree of its own (under --work), and one process per REV and
 round imports the engine from there (PYTHONPATH), loads its graphs from a capture cache of its own
 (built by a first, untimed round), and times the decode steps of `--prompts` held-out prompts of 64
-tokens, 64 new tokens each, `--batch` at a time (default 1) at depth --depth on the shipped model of
-that commit. The REVs take turns within every round, so a change in the machine's memory speed
-meets them all; a REV's figure is its best round's fastest generation (ms per decode step), beside
-its median round.
+tokens, 64 new tokens each, `--batch` at a time (default 1) at depth --depth (or "auto", on commits
+that have it) on the shipped model of that commit. The REVs take turns within every round, so a
+change in the machine's memory speed meets them all; a REV's figure is its best round's fastest
+generation, in ms per decode step or, with --per-token, per token decoded (what "auto" changes: its
+steps commit different numbers of tokens), beside its median round.
 
     python benchmarks/bench_commits.py HEAD~1 HEAD [--depth 3] [--batch 1] [--rounds 3] [--draft-vocab 1024]
+    python benchmarks/bench_commits.py HEAD~1 HEAD --depth auto --per-token --batch 4 --rounds 10
 """
 
 from __future__ import annotations
@@ -22,14 +24,17 @@ import sys
 import time
 from pathlib import Path
 
+from compiled_mtp.depth_policy import depth_arg
+
 # Run inside the child process, against the commit's own package: only API every commit since the
 # capture cache and held-out prompts (November 2026) has.
 CHILD = """
 import json, sys, time
 from compiled_mtp import DEFAULT_MODEL, Runtime, SamplingParams
 from compiled_mtp.bench import bench_prompts
-depth, cache, prompts, vocab = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]) or None
-batch = int(sys.argv[5])
+depth, cache, prompts, vocab = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]) or None
+batch, per_token = int(sys.argv[5]), sys.argv[6] == "1"
+depth = depth if depth == "auto" else int(depth)
 rt = Runtime.from_pretrained(
     DEFAULT_MODEL, mtp_depth=depth, batch_sizes=(batch,), max_seq_len=256, cache_dir=cache, draft_vocab=vocab
 )
@@ -41,11 +46,11 @@ for first in range(0, len(prompts), batch):
     for prompt in prompts[first : first + batch]:
         rt.add_request(prompt, params)
     rt.step()  # the prefills
-    steps, start = 0, time.perf_counter()
+    steps, tokens, start = 0, 0, time.perf_counter()
     while rt.has_unfinished():
-        rt.step()
+        tokens += sum(len(o.new_token_ids) for o in rt.step())
         steps += 1
-    step_ms.append(1e3 * (time.perf_counter() - start) / steps)
+    step_ms.append(1e3 * (time.perf_counter() - start) / (tokens if per_token else steps))
 print(json.dumps(step_ms))
 """
 
@@ -62,7 +67,7 @@ def checkout(rev: str, work: Path) -> Path:
 
 
 def run(tree: Path, args: argparse.Namespace) -> list[float]:
-    """Milliseconds per decode step of each batch's generation, on `tree`'s code."""
+    """Milliseconds per decode step (or decoded token) of each batch's generation, on `tree`'s code."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
     argv = [
         str(args.depth),
@@ -70,6 +75,7 @@ def run(tree: Path, args: argparse.Namespace) -> list[float]:
         str(args.prompts),
         str(args.draft_vocab),
         str(args.batch),
+        str(int(args.per_token)),
     ]
     out = subprocess.run(
         [sys.executable, "-c", CHILD, *argv], env=env, capture_output=True, text=True, cwd=tree, check=False
@@ -82,7 +88,10 @@ def run(tree: Path, args: argparse.Namespace) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("revs", nargs="+", help="commits to compare; ratios are against the first")
-    parser.add_argument("--depth", type=int, default=3)
+    parser.add_argument("--depth", type=depth_arg, default=3, help='an MTP depth or "auto" (default: 3)')
+    parser.add_argument(
+        "--per-token", action="store_true", help="ms per decoded token, not per decode step (for auto)"
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--batch", type=int, default=1, help="prompts decoded at once (default: 1)")
@@ -101,9 +110,8 @@ def main() -> None:
             best[rev].append(min(run(tree, args)))
         print(f"round {r + 1}: " + "  ".join(f"{rev} {best[rev][-1]:.3f}" for rev in trees), flush=True)
     base = min(best[args.revs[0]])
-    print(
-        f"\nms per decode step at K={args.depth}, B={args.batch} (best of {args.rounds} rounds; median round)"
-    )
+    unit = "decoded token" if args.per_token else "decode step"
+    print(f"\nms per {unit} at K={args.depth}, B={args.batch} (best of {args.rounds} rounds; median round)")
     for rev in trees:
         print(
             f"  {rev:<12} {min(best[rev]):7.3f}  ({statistics.median(best[rev]):.3f})"

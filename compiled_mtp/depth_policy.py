@@ -37,10 +37,12 @@ those probes: a near tie is what one noisy measurement decides wrongly, and a pr
 nearly as much costs nearly nothing. Of the depths due, the most valuable runs first.
 
 A probe of a depth far behind costs more: its step takes longer than the current depth would for the
-same tokens, and leaving depth 0 first runs the MTP catch-up (whose time the runtime reports). So a
-far depth waits, beyond `probe_every`, until its probe's loss is at most `probe_share` of the time
-of the steps since its last one, but never more than `probe_most` steps: where K=0 wins by far (a
-large batch), three probes of deeper steps every 64 cost several percent.
+same tokens. So does any probe across depth 0, near tie or not: leaving depth 0 first runs the MTP
+catch-up (whose time the runtime reports), and so does the first step back at K > 0 after a probe of
+depth 0. Such a depth waits, beyond `probe_every`, until its probe's loss is at most `probe_share`
+of the time of the steps since its last one, but never more than `probe_most` steps: where K=0 wins
+by far (a large batch), three probes of deeper steps every 64 cost several percent, and where K=1
+ties with K=0, a catch-up every 16 steps costs about as much.
 """
 
 from __future__ import annotations
@@ -203,7 +205,8 @@ class DepthPolicy:
         self._steps[bucket] += 1
 
         def due(k: int) -> bool:
-            near = value[k] * (1 + self.close) >= value[self.current]
+            # A probe to or from depth 0 runs a catch-up: it costs more than a near tie's step
+            near = value[k] * (1 + self.close) >= value[self.current] and 0 not in (k, self.current)
             every = self.close_probe_every if near else self._far_every(bucket, k, value)
             return self._steps[bucket] - self._measured_at[bucket, k] > every
 
@@ -211,12 +214,13 @@ class DepthPolicy:
         return max(probes, key=lambda k: value[k], default=self.current)
 
     def _far_every(self, bucket: int, k: int, value: dict[int, float]) -> float:
-        """Steps between probes of depth k, far behind the current depth: its probe's loss (the time
-        its step takes beyond what the current depth takes for the same tokens, plus the catch-up
-        when leaving depth 0) at most probe_share of the steps' time between, in probe_every..probe_most."""
+        """Steps between probes of depth k, far behind the current depth or on the other side of
+        depth 0: its probe's loss (the time its step takes beyond what the current depth takes for the
+        same tokens, plus the catch-up that leaving depth 0, or coming back to speculation after the
+        probe, runs) at most probe_share of the steps' time between, in probe_every..probe_most."""
         current = self.current
         loss = self._cost[bucket, k] * max(0.0, 1 - value[k] / value[current])
-        if current == 0 < k:
+        if 0 in (k, current):
             loss += self._catch_up.get(bucket, 0.0)
         steps = loss / (self.probe_share * self._cost[bucket, current])
         return min(self.probe_most, max(self.probe_every, steps))

@@ -224,3 +224,22 @@ def test_calibration_is_recomputed_whenever_drafts_were_tested(steps):
         if ask:
             policy.calibration()
         assert policy.calibration() == policy._calibrate()
+
+
+@pytest.mark.parametrize(
+    ("rates", "current", "catch_up", "probes"), [([0.75], 0, 0.52, [122, 245]), ([0.9], 1, 1.0, [112, 225])]
+)
+def test_a_near_tie_across_depth_0_is_probed_as_its_catch_up_allows(rates, current, catch_up, probes):
+    """Depths 0 and 1 are within 5% of each other, as on the shipped model at B=4. A probe of depth 1
+    from depth 0 runs a catch-up first, and one of depth 0 from depth 1 a catch-up at the next step
+    back: not a near tie's almost free step (every close_probe_every = 16), so the loss rule spaces
+    them. Depth 1 at 0.951 against depth 0's 1.0 loses 1.84 * 0.049 + 0.52 per probe: 122 steps of
+    1.0 at 0.5%. Depth 0 at 1.0 against 1.033 loses 0.032 + 1.0: 112 steps of 1.84."""
+    true_cost = {0: 1.0, 1: 1.84}
+    policy = DepthPolicy((0, 1), close_probe_every=16, probe_share=0.005, probe_most=256)
+    _measured(policy, 4, true_cost)
+    for seconds in (5.0, 5.0, catch_up):  # the first two are never counted
+        policy.record_catch_up(4, seconds)
+    chosen = _served(policy, 4, [rates], 300, lambda step, k: true_cost[k])
+    assert policy.current == current
+    assert [i for i, k in enumerate(chosen) if k != current] == probes

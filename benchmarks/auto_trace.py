@@ -31,6 +31,46 @@ from compiled_mtp.models.draft_vocab import read_ranking
 from compiled_mtp.runtime import DTYPES, Runtime, SamplingParams
 
 
+class BenchSystems:
+    """The bench's systems on the shipped model at B = 1 and `batch`: one runtime per depth 0..3 and
+    one at "auto" over them, drafting among the 1024 most frequent tokens, with the bench's prompts."""
+
+    def __init__(self, batch: int, cache_dir: str | None) -> None:
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        self.args = parser.parse_args(
+            [
+                "--depths",
+                "0",
+                "1",
+                "2",
+                "3",
+                "--batch-sizes",
+                *map(str, sorted({1, batch})),
+                "--new-tokens",
+                "64",
+            ]
+            + ["--draft-vocab", "1024"]
+            + (["--cache-dir", cache_dir] if cache_dir else [])
+        )
+        a = self.args
+        self.model = load_model(a.model, dtype=DTYPES[a.dtype], device=a.device, with_mtp=True)
+        self.model.restrict_drafts(
+            torch.tensor(read_ranking(a.model, self.model.cfg.vocab_size)[: a.draft_vocab])
+        )
+        self.prompts = bench_prompts(a.model, self.model.cfg.vocab_size, batch, a.prompt_len).token_ids
+        self.params = SamplingParams(max_new_tokens=a.new_tokens, ignore_eos=True)
+
+    def runtimes(self) -> dict[int | str, Runtime]:
+        return _runtimes(self.model, self.args)
+
+
+def warm_up(rt: Runtime, prompts: list[list[int]], params: SamplingParams) -> None:
+    """B=1 first, as the bench runs it: a batch's last steps run there."""
+    rt.generate(prompts[:1], params)
+    rt.generate(prompts, params)
+
+
 def conditional_rates(policy: DepthPolicy) -> list[str]:
     """Accepted over proposed at each position, pooled over the depths the runtime ran."""
     proposed, accepted = policy.counts()
@@ -106,24 +146,13 @@ def main() -> None:
         help="then time steps after a change of depth: 14 at HELD, 2 at PROBE, repeated",
     )
     args = parser.parse_args()
-    bench_args = argparse.ArgumentParser()
-    add_arguments(bench_args)
-    bench = bench_args.parse_args(
-        ["--depths", "0", "1", "2", "3", "--batch-sizes", "1", str(args.batch), "--new-tokens", "64"]
-        + ["--draft-vocab", "1024"]
-        + (["--cache-dir", args.cache_dir] if args.cache_dir else [])
-    )
-    model = load_model(bench.model, dtype=DTYPES[bench.dtype], device=bench.device, with_mtp=True)
-    model.restrict_drafts(torch.tensor(read_ranking(bench.model, model.cfg.vocab_size)[: bench.draft_vocab]))
-    prompts = bench_prompts(bench.model, model.cfg.vocab_size, args.batch, bench.prompt_len).token_ids
-    runtimes = _runtimes(model, bench)
+    systems = BenchSystems(args.batch, args.cache_dir)
+    runtimes, prompts, params = systems.runtimes(), systems.prompts, systems.params
     lines: list[str] = []
     traced(runtimes["auto"]._policy, args.batch, lines)
-    params = SamplingParams(max_new_tokens=bench.new_tokens, ignore_eos=True)
     seconds: dict[int | str, list[float]] = {k: [] for k in runtimes}
-    for rt in runtimes.values():  # warm-up, B=1 first as the bench runs it: a batch's last steps run there
-        rt.generate(prompts[:1], params)
-        rt.generate(prompts, params)
+    for rt in runtimes.values():
+        warm_up(rt, prompts, params)
     for r in range(args.rounds):
         lines.append(f"round {r}")
         for k, rt in runtimes.items():

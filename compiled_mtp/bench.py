@@ -311,7 +311,7 @@ def engine_run(k: int | str, prompts: list[list[int]], new_tokens: int, timings:
     best = min(timings, key=lambda t: t.seconds)
     iteration = best.decode_seconds / best.decode_steps
     host = best.host_seconds / best.decode_steps
-    run = EngineRun(
+    return EngineRun(
         k,
         b,
         b * new_tokens / best.seconds,
@@ -322,9 +322,8 @@ def engine_run(k: int | str, prompts: list[list[int]], new_tokens: int, timings:
         host / iteration,
         length,
         best.decode_steps,
+        decode_runs=[b * (new_tokens - 1) / t.decode_seconds for t in timings],
     )
-    run.decode_runs = [b * (new_tokens - 1) / t.decode_seconds for t in timings]
-    return run
 
 
 def _runtimes(model: CausalLM, args: argparse.Namespace) -> dict[int | str, Runtime]:

@@ -561,9 +561,7 @@ def _engine_row(runs: list[EngineRun], k: int | str, b: int) -> EngineRun | None
 def paired_ratio(a: EngineRun, b: EngineRun) -> str:
     """a's decode tok/s over b's round by round: the two ran one after the other in each round, so a
     change in memory speed between rounds, which moves the best runs of each apart, cancels."""
-    ratios = sorted(x / y for x, y in zip(a.decode_runs, b.decode_runs))
-    if not ratios:
-        return "no rounds"
+    ratios = sorted(x / y for x, y in zip(a.decode_runs, b.decode_runs))  # --runs >= 1
     return f"per round {statistics.median(ratios):.2f}x, {ratios[0]:.2f}-{ratios[-1]:.2f}x over {len(ratios)}"
 
 

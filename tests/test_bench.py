@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -140,13 +141,8 @@ def test_paired_ratio_is_the_median_and_range_of_each_rounds_ratio(rates):
     a, b = (bench.EngineRun(k, 1, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1) for k in (1, 0))
     a.decode_runs, b.decode_runs = [x for x, _ in rates], [y for _, y in rates]
     ratios = sorted(x / y for x, y in rates)
-    median = (
-        ratios[len(ratios) // 2]
-        if len(ratios) % 2
-        else (ratios[len(ratios) // 2 - 1] + ratios[len(ratios) // 2]) / 2
-    )
     assert bench.paired_ratio(a, b) == (
-        f"per round {median:.2f}x, {ratios[0]:.2f}-{ratios[-1]:.2f}x over {len(ratios)}"
+        f"per round {statistics.median(ratios):.2f}x, {ratios[0]:.2f}-{ratios[-1]:.2f}x over {len(ratios)}"
     )
 
 

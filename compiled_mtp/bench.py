@@ -8,7 +8,7 @@ What it measures (greedy decoding throughout, the same prompts for every system)
 - tokens/s of the engine for each (K, B), and with `mtp_depth="auto"` (each step's depth chosen among
   the measured ones): one untimed run per system warms the key up (compiles its graphs; auto also learns
   its costs there), then `--runs` rounds in which every system runs once in turn, so a change in
-  memory speed meets them all; the best run counts, B * new tokens / wall seconds of the whole run
+  memory speed meets them all; the best run counts, prompts * new tokens / wall seconds of the run
   (prefill included). Each row's speedup over K=0 at its B is set beside the bandwidth bound's
   speedup and the fraction of it achieved. The goals' ratios of two systems, of their best runs, come
   with the same ratio taken round by round (median and range), in which a drift in memory speed
@@ -32,8 +32,10 @@ What it measures (greedy decoding throughout, the same prompts for every system)
 
 Prompts are held-out text when the checkpoint has a tokenizer: windows of `--prompt-len` tokens one
 third into each file that the shipped model's training holds out (compiled_mtp/corpus.py), as its
-own acceptance measurement (train_log.json) takes them; else seeded random token ids. Every system
-gets the first B prompts at batch B, the acceptance measurement the first `--accept-prompts`.
+own acceptance measurement (train_log.json) takes them; else seeded random token ids. In each round
+every system at batch B generates the first `--timed-prompts` prompts (rounded up to a multiple of
+B), B at a time, so that a B = 1 row's speed rests on the acceptance of several prompts, not one; the
+acceptance measurement takes the first `--accept-prompts`.
 
 Results go to OUT/bench-<device type>.json (the dataclasses below, as dicts; `bound.steps_per_s` is
 keyed by K as a string) and a plot to OUT/bench-<device type>.png.
@@ -49,7 +51,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from functools import partial
 from pathlib import Path
 
@@ -123,8 +125,8 @@ class EngineRun:
 
     k: int | str
     batch: int
-    tokens_per_s: float  # B * new tokens / best wall seconds (prefill included)
-    decode_tokens_per_s: float  # B * (new tokens - 1) / its decode seconds: what speculation changes
+    tokens_per_s: float  # prompts * new tokens / best wall seconds (prefill included)
+    decode_tokens_per_s: float  # prompts * (new tokens - 1) / its decode seconds: what speculation changes
     seconds: float  # best run
     iteration_ms: float  # decode-only wall time per step of the best run
     host_ms: float  # runtime Python outside graph calls per step
@@ -287,6 +289,17 @@ def timed_generate(rt: Runtime, prompts: list[list[int]], params: SamplingParams
     )
 
 
+def timed_groups(rt: Runtime, groups: list[list[list[int]]], params: SamplingParams) -> Timing:
+    """`timed_generate` over each group of prompts in turn, its figures summed."""
+    runs = [timed_generate(rt, group, params) for group in groups]
+    return Timing(*(sum(getattr(t, f.name) for t in runs) for f in fields(Timing)))
+
+
+def timed_prompts(count: int, b: int) -> int:
+    """The prompts a round generates at batch b: `count` rounded up to a multiple of b."""
+    return -(-count // b) * b
+
+
 def measure_acceptance(rt: Runtime, prompts: list[list[int]], new_tokens: int) -> Acceptance:
     """Greedy acceptance at the runtime's depth; `rt` must be fresh, since stats() accumulate."""
     rt.generate(prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
@@ -303,26 +316,27 @@ def measure_acceptance(rt: Runtime, prompts: list[list[int]], new_tokens: int) -
     )
 
 
-def engine_run(k: int | str, prompts: list[list[int]], new_tokens: int, timings: list[Timing]) -> EngineRun:
-    """The best of `timings` (runs of the same prompts at depth k)."""
-    b = len(prompts)
+def engine_run(k: int | str, b: int, prompts: int, new_tokens: int, timings: list[Timing]) -> EngineRun:
+    """The best of `timings` (rounds of the same `prompts` prompts at depth k, b at a time)."""
     # Every request emits new_tokens - 1 tokens in decode steps (the first comes from its prefill).
-    length = acceptance_length(b * (new_tokens - 1) * len(timings), sum(t.request_steps for t in timings))
+    length = acceptance_length(
+        prompts * (new_tokens - 1) * len(timings), sum(t.request_steps for t in timings)
+    )
     best = min(timings, key=lambda t: t.seconds)
     iteration = best.decode_seconds / best.decode_steps
     host = best.host_seconds / best.decode_steps
     return EngineRun(
         k,
         b,
-        b * new_tokens / best.seconds,
-        b * (new_tokens - 1) / best.decode_seconds,
+        prompts * new_tokens / best.seconds,
+        prompts * (new_tokens - 1) / best.decode_seconds,
         best.seconds,
         1e3 * iteration,
         1e3 * host,
         host / iteration,
         length,
         best.decode_steps,
-        decode_runs=[b * (new_tokens - 1) / t.decode_seconds for t in timings],
+        decode_runs=[prompts * (new_tokens - 1) / t.decode_seconds for t in timings],
     )
 
 
@@ -367,26 +381,28 @@ def bench_engine(
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     runs, peer_runs = [], []
     for b in args.batch_sizes:
-        batch = prompts.token_ids[:b]
+        count = timed_prompts(args.timed_prompts, b)
+        groups = [prompts.token_ids[i : i + b] for i in range(0, count, b)]
         for rt in runtimes.values():
-            timed_generate(rt, batch, params)
+            timed_generate(rt, groups[0], params)
         turns = peers if b == 1 else {}
         for peer in turns.values():
-            peer.generate(batch[0], args.new_tokens)
+            peer.generate(groups[0][0], args.new_tokens)
         timings: dict[int | str, list[Timing]] = {k: [] for k in runtimes}
         depths_before = runtimes["auto"].stats()["depth_histogram"] if "auto" in runtimes else {}
         peer_seconds: dict[str, list[float]] = {name: [] for name in turns}
         for _ in range(args.runs):
             for k, rt in runtimes.items():
-                timings[k].append(timed_generate(rt, batch, params))
+                timings[k].append(timed_groups(rt, groups, params))
             for name, peer in turns.items():
-                peer_seconds[name].append(_peer_seconds(peer, batch[0], args.new_tokens))
-        expected = next(iter(runtimes.values())).generate(batch, params)[0].token_ids if turns else []
+                peer_seconds[name].append(sum(_peer_seconds(peer, g[0], args.new_tokens) for g in groups))
+        expected = next(iter(runtimes.values())).generate(groups[0], params)[0].token_ids if turns else []
         for name, peer in turns.items():
-            peer_runs.append(_compared_peer_run(name, peer, batch[0], expected, peer_seconds[name]))
+            run = _compared_peer_run(name, peer, groups[0][0], expected, peer_seconds[name], count)
+            peer_runs.append(run)
             print(f"  {name} B=1: {peer_runs[-1].tokens_per_s:.1f} tok/s", flush=True)
         for k, rt in runtimes.items():
-            runs.append(engine_run(k, batch, args.new_tokens, timings[k]))
+            runs.append(engine_run(k, b, count, args.new_tokens, timings[k]))
             if k == "auto":
                 after = rt.stats()["depth_histogram"]
                 runs[-1].depth_histogram = {
@@ -404,25 +420,32 @@ def _peer_seconds(peer: LlamaCpp | LlamaCppMTP, prompt: list[int], new_tokens: i
 
 
 def _compared_peer_run(
-    name: str, peer: LlamaCpp | LlamaCppMTP, prompt: list[int], expected: list[int], seconds: list[float]
+    name: str,
+    peer: LlamaCpp | LlamaCppMTP,
+    prompt: list[int],
+    expected: list[int],
+    seconds: list[float],
+    prompts: int,
 ) -> PeerRun:
-    """The peer's run, its tokens from one more generation (which its MTP counts are taken over)."""
+    """The peer's run over `prompts` prompts, its tokens from one more generation of the first (which its
+    MTP counts are taken over)."""
     if isinstance(peer, LlamaCppMTP):
         peer.drafted = peer.accepted = 0
-    run = peer_run(peer.generate(prompt, len(expected)), expected, seconds, name)
+    run = peer_run(peer.generate(prompt, len(expected)), expected, seconds, name, prompts)
     if isinstance(peer, LlamaCppMTP):
         run.drafted, run.accepted = peer.drafted, peer.accepted
     return run
 
 
 def peer_run(
-    tokens: list[int], expected: list[int], seconds: list[float], system: str = "llama.cpp"
+    tokens: list[int], expected: list[int], seconds: list[float], system: str = "llama.cpp", prompts: int = 1
 ) -> PeerRun:
-    """A peer's best of `seconds`; a token that differs from the engine's is reported, not hidden."""
+    """A peer's best of `seconds`, each the time of `prompts` generations of len(expected) tokens; a token
+    of the first that differs from the engine's is reported, not hidden."""
     differ = next((i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b), None)
     if differ is None and len(tokens) != len(expected):
         differ = min(len(tokens), len(expected))
-    return PeerRun(system, 1, len(expected) / min(seconds), min(seconds), differ is None, differ)
+    return PeerRun(system, 1, prompts * len(expected) / min(seconds), min(seconds), differ is None, differ)
 
 
 # ------------------------------------------------------------------------------------------ HF
@@ -850,8 +873,8 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(
             f"new-tokens: must be >= max depth + 3 = {max(args.depths) + 3}, got {args.new_tokens}"
         )
-    if args.prompt_len < 1 or args.accept_prompts < 1 or args.copy_mb < 1:
-        raise ValueError("prompt-len, accept-prompts and copy-mb: must be >= 1")
+    if min(args.prompt_len, args.accept_prompts, args.timed_prompts, args.copy_mb) < 1:
+        raise ValueError("prompt-len, accept-prompts, timed-prompts and copy-mb: must be >= 1")
     if not (args.model / "config.json").exists():
         raise ValueError(f"model: {args.model} has no config.json")
     if args.draft_vocab is not None and args.draft_vocab < 1:
@@ -910,6 +933,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (default: 64)")
     parser.add_argument(
         "--accept-prompts", type=int, default=24, help="prompts for the acceptance measurement (default: 24)"
+    )
+    parser.add_argument(
+        "--timed-prompts",
+        type=int,
+        default=8,
+        help="prompts every system generates per timed run, B at a time (default: 8, rounded up to a multiple of B)",
     )
     parser.add_argument(
         "--copy-mb",
@@ -984,8 +1013,9 @@ def run(args: argparse.Namespace) -> None:
         model.restrict_drafts(
             torch.tensor(read_ranking(args.model, model.cfg.vocab_size)[: args.draft_vocab])
         )
+    timed = max(timed_prompts(args.timed_prompts, b) for b in args.batch_sizes)
     prompts = bench_prompts(
-        args.model, model.cfg.vocab_size, max(args.accept_prompts, max(args.batch_sizes)), args.prompt_len
+        args.model, model.cfg.vocab_size, max(args.accept_prompts, timed), args.prompt_len
     )
     meta = Meta(
         model=str(args.model),

@@ -39,10 +39,16 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     bench.run(_args(
         "--model", str(model), "--backend", "eager", "--new-tokens", str(NEW_TOKENS), "--runs", "1",
         "--prompt-len", "8",
-        "--accept-prompts", "3", "--copy-mb", "16", "--out", str(out),
+        "--accept-prompts", "3", "--timed-prompts", "3", "--copy-mb", "16", "--out", str(out),
         "--depths", *map(str, DEPTHS), "--batch-sizes", *map(str, BATCHES),
     ))  # fmt: skip
     return json.loads((out / "bench-cpu.json").read_text()), out
+
+
+@given(count=st.integers(1, 64), b=st.integers(1, 32))
+def test_a_round_times_the_prompts_asked_for_rounded_up_to_whole_batches(count, b):
+    timed = bench.timed_prompts(count, b)
+    assert timed % b == 0 and count <= timed < count + b
 
 
 def test_json_has_every_section(result):
@@ -218,7 +224,8 @@ def test_random_checkpoint_of_another_family_then_bench(
     assert capsys.readouterr().out == f"wrote a random {preset!r} {name} checkpoint to {ckpt}\n"
     main([
         "bench", "--model", str(ckpt), "--backend", "eager", "--new-tokens", "4", "--runs", "1", "--prompt-len", "8",
-        "--accept-prompts", "2", "--copy-mb", "16", "--out", str(out), "--depths", "0", "1", "--batch-sizes", "1",
+        "--accept-prompts", "2", "--timed-prompts", "2", "--copy-mb", "16", "--out", str(out), "--depths", "0", "1",
+        "--batch-sizes", "1",
     ])  # fmt: skip
     printed = capsys.readouterr().out
     exported = model_type in LAYOUTS

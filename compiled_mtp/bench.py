@@ -16,7 +16,7 @@ What it measures (greedy decoding throughout, the same prompts for every system)
   decode-only steps of the best run (every step after the first, which prefills all B prompts); its
   share is that over the decode-only wall time per step;
 - HF transformers `generate` at each B and `generate(use_mtp=True)` at B = 1 (HF refuses batches),
-  the same way: warm-up run, best of `--runs`, whole-call wall time;
+  on the first B prompts only (HF is slow): warm-up run, best of `--runs`, whole-call wall time;
 - on CPU, where llama-cpp-python is installed, llama.cpp at B = 1 on a GGUF export of the same
   checkpoint (llama_cpp_peer.py), taking its turns with the engine's systems: its plain greedy
   decoding, and for each K > 0 its own MTP graph drafting K tokens a step (with the drafts it

@@ -13,7 +13,7 @@ What it measures (greedy decoding throughout, the same prompts for every system)
   speedup and the fraction of it achieved. The goals' ratios of two systems, of their best runs, come
   with the same ratio taken round by round (median and range), in which a drift in memory speed
   between rounds cancels. Host time per iteration is stats()["host_seconds"] / decode steps over the
-  decode-only steps of the best run (every step after the first, which prefills all B prompts); its
+  decode-only steps of the best run (every step after a batch's first, which prefills its B prompts); its
   share is that over the decode-only wall time per step;
 - HF transformers `generate` at each B and `generate(use_mtp=True)` at B = 1 (HF refuses batches),
   on the first B prompts only (HF is slow): warm-up run, best of `--runs`, whole-call wall time;

@@ -377,7 +377,7 @@ def train_joint(model, stream, held, args, log) -> None:
 
 
 def train_distill(model, stream, held, args, log) -> None:
-    """Target frozen; the MTP layer learns the target's own next-next distribution."""
+    """Target frozen; the MTP layer learns the target's own distribution at each draft depth (distill_loss)."""
     mtp = model.model.layers[model.cfg.num_hidden_layers]
     params = list(mtp.parameters())
     for p in params:

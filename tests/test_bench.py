@@ -23,6 +23,7 @@ from tests.checkpoints import write_echo_checkpoint
 
 DEPTHS, BATCHES = (0, 1, 2), (1, 2)
 NEW_TOKENS = 8
+TIMED_PROMPTS = 3
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -39,7 +40,7 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     bench.run(_args(
         "--model", str(model), "--backend", "eager", "--new-tokens", str(NEW_TOKENS), "--runs", "1",
         "--prompt-len", "8",
-        "--accept-prompts", "3", "--timed-prompts", "3", "--copy-mb", "16", "--out", str(out),
+        "--accept-prompts", "3", "--timed-prompts", str(TIMED_PROMPTS), "--copy-mb", "16", "--out", str(out),
         "--depths", *map(str, DEPTHS), "--batch-sizes", *map(str, BATCHES),
     ))  # fmt: skip
     return json.loads((out / "bench-cpu.json").read_text()), out
@@ -93,6 +94,11 @@ def test_values_are_sane(result):
         base = next(r for r in data["engine"] if r["k"] == 0 and r["batch"] == e["batch"])
         assert e["speedup"] == pytest.approx(e["decode_tokens_per_s"] / base["decode_tokens_per_s"])
         assert e["bound_fraction"] == pytest.approx(e["speedup"] / e["bound_speedup"])
+        if e["k"] == 0:
+            # Each batch of the timed prompts (3, rounded up to whole batches) gets its first token from
+            # its prefill and its second from the step that prefilled it; the other steps decode.
+            timed = bench.timed_prompts(TIMED_PROMPTS, e["batch"])
+            assert e["decode_steps"] == timed // e["batch"] * (NEW_TOKENS - 2)
         if e["k"] == "auto":  # every timed decode step is counted at some depth
             assert (
                 set(e["depth_histogram"]) <= {str(k) for k in DEPTHS}

@@ -1,15 +1,16 @@
 """Auto's depth policy as it was at several commits, in one process, in turns, beside fixed depths.
 
 Each REV's `compiled_mtp/depth_policy.py` (host code on the step times and acceptance the runtime
-reports; it imports nothing of the package) is loaded as a module of its own and put into a runtime
-at "auto", beside the bench's systems of this checkout (benchmarks/auto_trace.py): one runtime per
-depth 0..3 and one at "auto" with this checkout's policy, all sharing one set of graphs. Each is
-warmed up at B=1 and at B, then `--rounds` rounds run them in turns, B held-out prompts of 64 new
-tokens each. Printed: each system's decode tok/s over all rounds, its ratio to the best fixed depth's
-over all rounds, the same ratio round by round (median, range) and auto's steps per depth. In one
-process, since two processes' step times differ by up to 30% here at the same schedule.
+reports; it imports nothing of the package) is loaded as a module of its own and put into a runtime at
+"auto", beside the bench's systems of this checkout (benchmarks/auto_trace.py): one runtime per depth
+0..3 and one at "auto" with this checkout's policy, all sharing one set of graphs. Each is warmed up at
+B=1 and at B, then `--rounds` rounds run them in turns, each round the first `--timed-prompts` held-out
+prompts (as the bench), B at a time, 64 new tokens each. Printed: each system's decode tok/s over all
+rounds, its ratio to the best fixed depth's over all rounds, the same ratio round by round (median,
+range) and auto's steps per depth. In one process, since two processes' step times differ by up to 30%
+here at the same schedule.
 
-    python benchmarks/auto_commits.py 392d5b5~1 [--batch 4] [--rounds 20] [--cache-dir DIR]
+    python benchmarks/auto_commits.py 392d5b5~1 [--batch 4] [--rounds 20] [--timed-prompts 8] [--cache-dir DIR]
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from auto_trace import BenchSystems, warm_up
 
-from compiled_mtp.bench import timed_generate
+from compiled_mtp.bench import timed_groups
 from compiled_mtp.depth_policy import DepthPolicy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,23 +45,26 @@ def main() -> None:
     parser.add_argument("revs", nargs="*", help="commits whose policy runs beside this checkout's")
     parser.add_argument("--batch", type=int, default=4, help="prompts generated at once (default: 4)")
     parser.add_argument("--rounds", type=int, default=20, help="timed rounds in turns (default: 20)")
+    parser.add_argument(
+        "--timed-prompts", type=int, default=8, help="prompts a round generates, B at a time (default: 8)"
+    )
     parser.add_argument("--cache-dir", default=None, help="capture cache (default: the user's)")
     args = parser.parse_args()
-    systems = BenchSystems(args.batch, args.cache_dir)
+    systems = BenchSystems(args.batch, args.timed_prompts, args.cache_dir)
     runtimes = systems.runtimes()
     for rev in args.revs:
         rt = systems.runtimes()["auto"]
         rt._policy = policy_at(rev)(rt._policy.depths)
         runtimes[f"auto at {rev}"] = rt
-    prompts, params = systems.prompts, systems.params
+    groups, params = systems.groups, systems.params
     for rt in runtimes.values():
-        warm_up(rt, prompts, params)
+        warm_up(rt, groups[0], params)
     before = {k: dict(rt.stats()["depth_histogram"]) for k, rt in runtimes.items()}
     seconds: dict[int | str, list[float]] = {k: [] for k in runtimes}
     for _ in range(args.rounds):
         for k, rt in runtimes.items():
-            seconds[k].append(timed_generate(rt, prompts, params).decode_seconds)
-    tokens = args.batch * (params.max_new_tokens - 1)
+            seconds[k].append(timed_groups(rt, groups, params).decode_seconds)
+    tokens = sum(map(len, groups)) * (params.max_new_tokens - 1)
     fixed = [k for k in runtimes if isinstance(k, int)]
     best = min(fixed, key=lambda k: sum(seconds[k]))
     print(f"B={args.batch}, {args.rounds} rounds in turns; ratios against the best fixed depth, K={best}")

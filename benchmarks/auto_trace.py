@@ -1,8 +1,9 @@
 """What `mtp_depth="auto"` saw and chose at each decode step of one batch size, beside fixed depths.
 
 The bench's systems (one runtime per depth and one at "auto" over them, the shipped model drafting
-among its 1024 most frequent tokens) generate from the bench's first B held-out prompts: each
-warmed up at B=1 and at B (as the bench runs them), then `--rounds` rounds in turns. For every
+among its 1024 most frequent tokens) generate the bench's first `--timed-prompts` held-out prompts,
+B at a time: each warmed up at B=1 and at B (as the bench runs them), then `--rounds` rounds in
+turns. For every
 decode step of auto's bucket after its first timings, a line: the depth run, the depth the policy
 holds, the batch's expected tokens at each depth (calibrated), each depth's cost at the policy's
 reference speed (ms), their values and the step's own wall time. Then each runtime's conditional
@@ -10,7 +11,7 @@ acceptance per draft position, from the steps it ran, and the whole generations'
 `--switch HELD PROBE`, auto's runtime then runs a fixed schedule of depths, and its step times are
 summed up by their place after a change of depth.
 
-    python benchmarks/auto_trace.py [--batch 4] [--rounds 3] [--cache-dir DIR] [--switch 3 1]
+    python benchmarks/auto_trace.py [--batch 4] [--rounds 3] [--timed-prompts 8] [--cache-dir DIR] [--switch 3 1]
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-from compiled_mtp.bench import _runtimes, add_arguments, bench_prompts
+from compiled_mtp.bench import _runtimes, add_arguments, bench_prompts, timed_prompts
 from compiled_mtp.depth_policy import DepthPolicy
 from compiled_mtp.models.checkpoint import load_model
 from compiled_mtp.models.draft_vocab import read_ranking
@@ -35,7 +36,7 @@ class BenchSystems:
     """The bench's systems on the shipped model at B = 1 and `batch`: one runtime per depth 0..3 and
     one at "auto" over them, drafting among the 1024 most frequent tokens, with the bench's prompts."""
 
-    def __init__(self, batch: int, cache_dir: str | None) -> None:
+    def __init__(self, batch: int, count: int, cache_dir: str | None) -> None:
         parser = argparse.ArgumentParser()
         add_arguments(parser)
         self.args = parser.parse_args(
@@ -58,7 +59,9 @@ class BenchSystems:
         self.model.restrict_drafts(
             torch.tensor(read_ranking(a.model, self.model.cfg.vocab_size)[: a.draft_vocab])
         )
-        self.prompts = bench_prompts(a.model, self.model.cfg.vocab_size, batch, a.prompt_len).token_ids
+        count = timed_prompts(count, batch)
+        prompts = bench_prompts(a.model, self.model.cfg.vocab_size, count, a.prompt_len).token_ids
+        self.groups = [prompts[i : i + batch] for i in range(0, count, batch)]
         self.params = SamplingParams(max_new_tokens=a.new_tokens, ignore_eos=True)
 
     def runtimes(self) -> dict[int | str, Runtime]:
@@ -137,6 +140,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=4, help="prompts generated at once (default: 4)")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds in turns (default: 3)")
+    parser.add_argument(
+        "--timed-prompts", type=int, default=8, help="prompts a round generates, B at a time (default: 8)"
+    )
     parser.add_argument("--cache-dir", default=None, help="capture cache (default: the user's)")
     parser.add_argument(
         "--switch",
@@ -146,18 +152,19 @@ def main() -> None:
         help="then time steps after a change of depth: 14 at HELD, 2 at PROBE, repeated",
     )
     args = parser.parse_args()
-    systems = BenchSystems(args.batch, args.cache_dir)
-    runtimes, prompts, params = systems.runtimes(), systems.prompts, systems.params
+    systems = BenchSystems(args.batch, args.timed_prompts, args.cache_dir)
+    runtimes, groups, params = systems.runtimes(), systems.groups, systems.params
     lines: list[str] = []
     traced(runtimes["auto"]._policy, args.batch, lines)
     seconds: dict[int | str, list[float]] = {k: [] for k in runtimes}
     for rt in runtimes.values():
-        warm_up(rt, prompts, params)
+        warm_up(rt, groups[0], params)
     for r in range(args.rounds):
         lines.append(f"round {r}")
         for k, rt in runtimes.items():
             start = time.perf_counter()
-            rt.generate(prompts, params)
+            for group in groups:
+                rt.generate(group, params)
             seconds[k].append(time.perf_counter() - start)
     depths = runtimes["auto"]._policy.depths
     print(f"B={args.batch}: depth run, depth held | tokens | cost ms | value, at depths {depths} | step ms")
@@ -169,7 +176,7 @@ def main() -> None:
     for k, times in seconds.items():
         print(f"  K={k}: " + " ".join(f"{1e3 * t:.1f}" for t in times) + f"  best {1e3 * min(times):.1f}")
     if args.switch:
-        switch_costs(runtimes["auto"], prompts, params, *args.switch)
+        switch_costs(runtimes["auto"], groups[0], params, *args.switch)
 
 
 if __name__ == "__main__":

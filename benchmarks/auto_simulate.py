@@ -2,19 +2,24 @@
 
     python benchmarks/auto_simulate.py                                  # the policy as it ships
     python benchmarks/auto_simulate.py --setting request_alpha=0.3 --setting probe_most=64
+    python benchmarks/auto_simulate.py --bench /tmp/run23/bench-cpu.json --noise 0.2 --drift 0 0.03 0.06
 
 Each (B, K) step costs the iteration time `compiled-mtp bench` measured (benchmarks/bench-cpu.json,
 host time included); each draft position is accepted at the shipped model's held-out rate at K=3
 (train_log.json, conditional on the position before), seeded. For each B, B requests of `--tokens`
 tokens run at every fixed depth and under DepthPolicy with each `--setting` (the defaults first),
-each step's time off its cost by up to +-`--noise` (this machine's memory speed moves that much), and
-the mean over `--seeds` seeds is printed against the best fixed depth's. SIMULATED: no catch-up runs,
-and the costs do not move with the depth schedule as a real machine's do.
+the policy having served as many untimed first (a runtime's warm-up). Each step's time is off its
+cost by up to +-`--noise`, and scaled by a machine speed that wanders by `--drift` a millisecond
+(this machine's memory speed moves by half within a fraction of a second; every system meets the
+same wandering, drawn from the seed); the mean over `--seeds` seeds is printed against the best
+fixed depth's. SIMULATED: no catch-up runs, and the costs do not move with the depth schedule as a
+real machine's do.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -39,6 +44,7 @@ def main() -> None:
     )
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--noise", type=float, nargs="+", default=[0.0, 0.2])
+    parser.add_argument("--drift", type=float, nargs="+", default=[0.0, 0.03])
     parser.add_argument("--seeds", type=int, default=16)
     args = parser.parse_args()
     rows = json.loads(args.bench.read_text())["engine"]
@@ -49,18 +55,22 @@ def main() -> None:
     rates = shipped_rates()
     policies = [{}] + [dict([s]) for s in args.setting]
 
-    def mean(batch: int, depths: dict[int, float], noise: float, **settings: float) -> float:
-        runs = [simulate(batch, depths, args.tokens, rates, s, noise, **settings) for s in range(args.seeds)]
+    def mean(batch: int, depths: dict[int, float], machine: tuple[float, float], **settings: float) -> float:
+        runs = [
+            simulate(batch, depths, args.tokens, rates, s, *machine, warm_up=True, **settings)
+            for s in range(args.seeds)
+        ]
         return statistics.mean(r["tok_s"] for r in runs)
 
     for batch, cost in sorted(costs.items()):
-        for noise in args.noise:
-            fixed = {k: mean(batch, {k: ms}, noise) for k, ms in cost.items()}
+        for machine in itertools.product(args.noise, args.drift):
+            fixed = {k: mean(batch, {k: ms}, machine) for k, ms in cost.items()}
             best = max(fixed, key=fixed.__getitem__)
-            line = f"B={batch} noise {noise:.0%}: best fixed K={best} {fixed[best]:.0f} tok/s; auto"
+            line = f"B={batch} noise {machine[0]:.0%} drift {machine[1]:g}: "
+            line += f"best fixed K={best} {fixed[best]:.0f} tok/s; auto"
             for settings in policies:
                 name = ",".join(f"{k}={v:g}" for k, v in settings.items()) or "as shipped"
-                line += f"  {name} {mean(batch, cost, noise, **settings) / fixed[best]:.3f}x"
+                line += f"  {name} {mean(batch, cost, machine, **settings) / fixed[best]:.3f}x"
             print(line, flush=True)
 
 

@@ -24,7 +24,9 @@ Results are printed and written to --out (JSON).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import math
 import multiprocessing as mp
 import os
 import random
@@ -145,14 +147,47 @@ def simulate(
     rates: list[float],
     seed: int,
     noise: float = 0.0,
+    drift: float = 0.0,
+    warm_up: bool = False,
     **settings: float,
 ) -> dict:
     """Tokens/s of B requests of `tokens` tokens each, with drafts accepted at `rates` per position,
     at the depth `costs` (ms a step) holds one of (fixed) or, with several, chosen by
-    DepthPolicy(**settings) ("auto"); each step's time off its cost by up to +-noise, uniformly."""
-    rng = random.Random(seed)
+    DepthPolicy(**settings) ("auto"); each step's time off its cost by up to +-noise, uniformly, and
+    scaled by the machine's speed, which wanders (a log-normal walk of `drift` a millisecond, drawn
+    from the seed alone, so every system meets the same machine). With `warm_up`, the policy first
+    serves the same number of requests untimed, as a runtime does before a timed run."""
     depths = sorted(costs)
     policy = DepthPolicy(depths, **settings)
+    speed = _speed_path(seed, drift)
+    if warm_up:
+        _serve(policy, batch, costs, tokens, rates, random.Random(seed + (1 << 20)), noise, speed)
+    return _serve(policy, batch, costs, tokens, rates, random.Random(seed), noise, speed)
+
+
+@functools.lru_cache(maxsize=64)
+def _speed_path(seed: int, drift: float, milliseconds: int = 1 << 16) -> tuple[float, ...]:
+    """The machine's speed factor in each millisecond: exp of a walk pulled back towards 0."""
+    if not drift:
+        return (1.0,)
+    rng, x, path = random.Random(-1 - seed), 0.0, []
+    for _ in range(milliseconds):
+        x = 0.99 * x + drift * rng.gauss(0, 1)
+        path.append(math.exp(x))
+    return tuple(path)
+
+
+def _serve(
+    policy: DepthPolicy,
+    batch: int,
+    costs: dict[int, float],
+    tokens: int,
+    rates: list[float],
+    rng: random.Random,
+    noise: float,
+    speed: tuple[float, ...],
+) -> dict:
+    depths = policy.depths
     own = [policy.prior() for _ in range(batch)]
     left, seconds, chosen = [tokens] * batch, 0.0, []
     while any(left):
@@ -166,7 +201,8 @@ def simulate(
             accepted = next((j for j in range(k) if rng.random() >= rates[j]), k)
             left[i] -= min(left[i], accepted + 1)
             policy.observe(own[i], k, accepted)
-        step = costs[k] / 1e3 * (1 + noise * rng.uniform(-1, 1))
+        moment = speed[min(int(seconds * 1e3), len(speed) - 1)]
+        step = costs[k] / 1e3 * moment * (1 + noise * rng.uniform(-1, 1))
         seconds += step
         policy.record_cost(batch, k, step)
         chosen.append(k)

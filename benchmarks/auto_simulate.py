@@ -2,18 +2,18 @@
 
     python benchmarks/auto_simulate.py                                  # the policy as it ships
     python benchmarks/auto_simulate.py --setting request_alpha=0.3 --setting probe_most=64
-    python benchmarks/auto_simulate.py --bench /tmp/run23/bench-cpu.json --noise 0.2 --drift 0 0.03 0.06
+    python benchmarks/auto_simulate.py --noise 0.2 --drift 0 0.03 --rev HEAD~1   # HEAD~1's policy beside
 
 Each (B, K) step costs the iteration time `compiled-mtp bench` measured (benchmarks/bench-cpu.json,
 host time included); each draft position is accepted at the shipped model's held-out rate at K=3
 (train_log.json, conditional on the position before), seeded. For each B, B requests of `--tokens`
-tokens run at every fixed depth and under DepthPolicy with each `--setting` (the defaults first),
-the policy having served as many untimed first (a runtime's warm-up). Each step's time is off its
-cost by up to +-`--noise`, and scaled by a machine speed that wanders by `--drift` a millisecond
-(this machine's memory speed moves by half within a fraction of a second; every system meets the
-same wandering, drawn from the seed); the mean over `--seeds` seeds is printed against the best
-fixed depth's. SIMULATED: no catch-up runs, and the costs do not move with the depth schedule as a
-real machine's do.
+tokens run at every fixed depth and under DepthPolicy with each `--setting` (the defaults first) and
+each `--rev`'s DepthPolicy, the policy having served as many untimed first (a runtime's warm-up). Each
+step's time is off its cost by up to +-`--noise`, and scaled by a machine speed that wanders by
+`--drift` a millisecond (this machine's memory speed moves by half within a fraction of a second; every
+system meets the same wandering, drawn from the seed); the mean over `--seeds` seeds is printed against
+the best fixed depth's. SIMULATED: no catch-up runs, and the costs do not move with the depth schedule
+as a real machine's do.
 """
 
 from __future__ import annotations
@@ -28,7 +28,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from auto_commits import policy_at  # noqa: E402
 from bench_preset import shipped_rates, simulate  # noqa: E402
+
+from compiled_mtp.depth_policy import DepthPolicy  # noqa: E402
 
 
 def setting(text: str) -> tuple[str, float]:
@@ -46,6 +49,7 @@ def main() -> None:
     parser.add_argument("--noise", type=float, nargs="+", default=[0.0, 0.2])
     parser.add_argument("--drift", type=float, nargs="+", default=[0.0, 0.03])
     parser.add_argument("--seeds", type=int, default=16)
+    parser.add_argument("--rev", action="append", default=[], help="a commit whose policy runs too")
     args = parser.parse_args()
     rows = json.loads(args.bench.read_text())["engine"]
     costs: dict[int, dict[int, float]] = {}
@@ -53,11 +57,19 @@ def main() -> None:
         if row["k"] != "auto":
             costs.setdefault(row["batch"], {})[row["k"]] = row["iteration_ms"]
     rates = shipped_rates()
-    policies = [{}] + [dict([s]) for s in args.setting]
+    policies: list[tuple[str, type[DepthPolicy], dict[str, float]]] = [("as shipped", DepthPolicy, {})]
+    policies += [(f"{name}={value:g}", DepthPolicy, {name: value}) for name, value in args.setting]
+    policies += [(f"at {rev}", policy_at(rev), {}) for rev in args.rev]
 
-    def mean(batch: int, depths: dict[int, float], machine: tuple[float, float], **settings: float) -> float:
+    def mean(
+        batch: int,
+        depths: dict[int, float],
+        machine: tuple[float, float],
+        policy: type[DepthPolicy] = DepthPolicy,
+        **settings: float,
+    ) -> float:
         runs = [
-            simulate(batch, depths, args.tokens, rates, s, *machine, warm_up=True, **settings)
+            simulate(batch, depths, args.tokens, rates, s, *machine, warm_up=True, policy=policy, **settings)
             for s in range(args.seeds)
         ]
         return statistics.mean(r["tok_s"] for r in runs)
@@ -68,9 +80,8 @@ def main() -> None:
             best = max(fixed, key=fixed.__getitem__)
             line = f"B={batch} noise {machine[0]:.0%} drift {machine[1]:g}: "
             line += f"best fixed K={best} {fixed[best]:.0f} tok/s; auto"
-            for settings in policies:
-                name = ",".join(f"{k}={v:g}" for k, v in settings.items()) or "as shipped"
-                line += f"  {name} {mean(batch, cost, machine, **settings) / fixed[best]:.3f}x"
+            for name, policy, settings in policies:
+                line += f"  {name} {mean(batch, cost, machine, policy, **settings) / fixed[best]:.3f}x"
             print(line, flush=True)
 
 

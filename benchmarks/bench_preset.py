@@ -149,20 +149,20 @@ def simulate(
     noise: float = 0.0,
     drift: float = 0.0,
     warm_up: bool = False,
+    policy: type[DepthPolicy] = DepthPolicy,
     **settings: float,
 ) -> dict:
     """Tokens/s of B requests of `tokens` tokens each, with drafts accepted at `rates` per position,
     at the depth `costs` (ms a step) holds one of (fixed) or, with several, chosen by
-    DepthPolicy(**settings) ("auto"); each step's time off its cost by up to +-noise, uniformly, and
+    policy(**settings) ("auto"); each step's time off its cost by up to +-noise, uniformly, and
     scaled by the machine's speed, which wanders (a log-normal walk of `drift` a millisecond, drawn
     from the seed alone, so every system meets the same machine). With `warm_up`, the policy first
     serves the same number of requests untimed, as a runtime does before a timed run."""
-    depths = sorted(costs)
-    policy = DepthPolicy(depths, **settings)
+    chooser = policy(sorted(costs), **settings)
     speed = _speed_path(seed, drift)
     if warm_up:
-        _serve(policy, batch, costs, tokens, rates, random.Random(seed + (1 << 20)), noise, speed)
-    return _serve(policy, batch, costs, tokens, rates, random.Random(seed), noise, speed)
+        _serve(chooser, batch, costs, tokens, rates, random.Random(seed + (1 << 20)), noise, speed)
+    return _serve(chooser, batch, costs, tokens, rates, random.Random(seed), noise, speed)
 
 
 @functools.lru_cache(maxsize=64)

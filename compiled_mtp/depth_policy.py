@@ -18,23 +18,25 @@ by PSEUDO_STEPS.
 cost(bucket, K) is a key's wall time at a reference speed of the machine, the first UNTIMED_CALLS left
 out: the first compiles or loads the graphs, and the second runs on the caches that loading emptied (up
 to 60% slower than the steps after it, here). The machine's speed itself moves by half within a
-fraction of a second here, so a cost is only compared with costs taken at the same speed: a step at
-the depth the bucket ran last updates the bucket's speed (its time over its key's cost), and any other
-step (a probe, or the first after a change) updates its key's cost (its time over that speed). A key
-never run is tried before any choice is made from the others, so every cost is measured, never typed
-in: each key's two untimed calls run back to back, then every key's first timed step, in a row, at
-one speed. The depth changes only when another's value beats the current one's by `margin`
-(hysteresis: a near tie is within the noise of the estimates), or by `zero_margin` for a change to or
-from depth 0, which costs more than the steps it is timed on: leaving depth 0 first runs the MTP
-catch-up, and the requests of a batch that drafts finish at different steps, so its last steps run
-the bucket for fewer rows.
+fraction of a second here, so a cost is only compared with costs taken at the same speed: a step at the
+depth the bucket ran last updates the bucket's speed (its time over its key's cost), and any other step
+(a probe, or the first after a change) updates its key's cost: the median of the key's last
+`cost_window` timings, each over the speed of its moment. One step's time is off the next one's by
+20-30% here: in a trace at B=4, one K=1 step timed in a slow moment replaced K=1's cost (3.87 ms at the
+reference speed, then 5.13) and moved auto to K=0 and K=2 for the rest of a round in which K=1 was the
+fastest fixed depth. A key never run is tried before any choice is made from the others, so every cost
+is measured, never typed in: each key's two untimed calls run back to back, then every key's first
+timed step, in a row, at one speed. The depth changes only when another's value beats the current one's
+by `margin` (hysteresis: a near tie is within the noise of the estimates), or by `zero_margin` for a
+change to or from depth 0, which costs more than the steps it is timed on: leaving depth 0 first runs
+the MTP catch-up, and the requests of a batch that drafts finish at different steps, so its last steps
+run the bucket for fewer rows.
 
 A cost is only as current as the last step run at that key: a depth that lost once would never be
-measured again. So every depth not run for `probe_every` steps of a bucket runs one step, and a cost
-older than that is replaced by the new measurement rather than averaged with it; every depth within
-`close` of the current one's value runs every `close_probe_every` steps, its cost averaged over
-those probes: a near tie is what one noisy measurement decides wrongly, and a probe of a depth worth
-nearly as much costs nearly nothing. Of the depths due, the most valuable runs first.
+measured again. So every depth not run for `probe_every` steps of a bucket runs one step; every depth
+within `close` of the current one's value runs every `close_probe_every` steps: a near tie is what one
+noisy measurement decides wrongly, and a probe of a depth worth nearly as much costs nearly nothing. Of
+the depths due, the most valuable runs first.
 
 A probe of a depth far behind costs more: its step takes longer than the current depth would for the
 same tokens. So does any probe across depth 0, near tie or not: leaving depth 0 first runs the MTP
@@ -48,7 +50,8 @@ ties with K=0, a catch-up every 16 steps costs about as much.
 from __future__ import annotations
 
 import argparse
-from collections import Counter
+import statistics
+from collections import Counter, defaultdict, deque
 from collections.abc import Sequence
 
 Key = tuple[int, int]  # (bucket, depth)
@@ -78,7 +81,7 @@ class DepthPolicy:
         depths: Sequence[int],
         *,
         request_alpha: float = 0.15,
-        cost_alpha: float = 0.2,
+        cost_window: int = 5,
         speed_alpha: float = 0.3,
         margin: float = 0.02,
         zero_margin: float = 0.05,
@@ -90,7 +93,7 @@ class DepthPolicy:
     ) -> None:
         self.depths = tuple(sorted(depths))
         self.request_alpha = request_alpha
-        self.cost_alpha = cost_alpha
+        self.cost_window = cost_window
         self.speed_alpha = speed_alpha
         self.margin = margin
         self.zero_margin = zero_margin
@@ -113,6 +116,8 @@ class DepthPolicy:
         self._observed = 0  # drafts tested so far: calibration() changes only with them
         self._calibrated: tuple[int, dict[int, float]] = (-1, {})
         self._catch_up: dict[int, float] = {}  # each bucket's MTP catch-up, seconds at its speed 1
+        self._samples: defaultdict[Key, deque[float]] = defaultdict(deque)  # cost samples, newest last
+        self._catch_up_samples: defaultdict[int, deque[float]] = defaultdict(deque)
         self._catch_ups: Counter[int] = Counter()
 
     def counts(self) -> tuple[list[int], list[int]]:
@@ -164,24 +169,27 @@ class DepthPolicy:
         steady, self._last[bucket] = self._last.get(bucket) == depth, depth
         if self._seen[key] <= UNTIMED_CALLS:
             return  # the first loads the key's graphs, the next runs on caches the load emptied
-        speed, old = self._speed.get(bucket, 1.0), self._cost.get(key)
-        stale = self._steps[bucket] - self._measured_at.get(key, 0) > self.probe_every
-        if old is None or stale:
-            self._cost[key] = seconds / speed
-        elif steady:  # the machine's speed moved, not the key's cost
-            self._speed[bucket] = speed + self.speed_alpha * (seconds / old - speed)
+        speed = self._speed.get(bucket, 1.0)
+        if steady and key in self._cost:  # the machine's speed moved, not the key's cost
+            self._speed[bucket] = speed + self.speed_alpha * (seconds / self._cost[key] - speed)
         else:
-            self._cost[key] = old + self.cost_alpha * (seconds / speed - old)
+            self._cost[key] = self._median_of(self._samples[key], seconds / speed)
         self._measured_at[key] = self._steps[bucket]
 
     def record_catch_up(self, bucket: int, seconds: float) -> None:
         """The wall time of an MTP catch-up before a step of `bucket` (its first calls not counted)."""
         self._catch_ups[bucket] += 1
-        if self._catch_ups[bucket] <= UNTIMED_CALLS:
-            return
-        cost = seconds / self._speed.get(bucket, 1.0)
-        old = self._catch_up.get(bucket, cost)
-        self._catch_up[bucket] = old + self.cost_alpha * (cost - old)
+        if self._catch_ups[bucket] > UNTIMED_CALLS:
+            cost = seconds / self._speed.get(bucket, 1.0)
+            self._catch_up[bucket] = self._median_of(self._catch_up_samples[bucket], cost)
+
+    def _median_of(self, samples: deque[float], sample: float) -> float:
+        """The median of the last `cost_window` samples, `sample` the newest: one step timed in a
+        slow or fast moment moves it only within the others."""
+        if len(samples) == self.cost_window:
+            samples.popleft()
+        samples.append(sample)
+        return statistics.median(samples)
 
     def expected(self, rates: Sequence[Sequence[float]], remaining: Sequence[int]) -> dict[int, float]:
         """Tokens a batch is expected to commit in one step at each depth: its requests' rates,

@@ -96,12 +96,13 @@ def test_speculation_is_chosen_when_it_pays_and_dropped_when_it_does_not():
 
 def test_costs_follow_the_measurements():
     """Depth 2 became slow and depth 0 did not. Depth 2's own steps cannot tell that from a slower
-    machine; the next step of depth 0, timed against them, can."""
+    machine; the next steps of depth 0, timed against them, can. A cost is the median of its
+    timings, so the first probe's cannot outvote the first timing: the second probe's does."""
     policy = DepthPolicy((0, 2), probe_every=4, probe_most=4, close=0.0)
     _measured(policy, 1, {0: 1.0, 2: 1.2})
     true_cost = {0: 1.0, 2: 3.0}  # for 1.75 tokens at depth 2, 1 at depth 0
-    chosen = _served(policy, 1, [[0.5, 0.5]], 8, lambda step, k: true_cost[k])
-    assert chosen == [2] * 4 + [0] * 4  # 1.75 / 1.2 > 1 / 1.0, until depth 0 ran at 1.0 against 3.0
+    chosen = _served(policy, 1, [[0.5, 0.5]], 13, lambda step, k: true_cost[k])
+    assert chosen == [2] * 4 + [0] + [2] * 4 + [0] * 4  # 1.75 / 1.2 > 1 / 1.0, until 0 ran twice
 
 
 def test_a_slower_machine_changes_no_choice():
@@ -137,34 +138,36 @@ def test_each_depth_is_valued_at_its_own_steps_acceptance():
 
 def test_a_depth_that_lost_on_a_stale_cost_is_measured_again():
     """Depth 0 was measured once, slow (the machine was busy), so depth 1 won and depth 0 never ran
-    again. Every probe_every steps the runner-up runs once; its fresh cost replaces the stale one,
-    and the policy moves to it, then keeps probing the depth it left."""
+    again. Every probe_every steps the runner-up runs once; its cost is the median of its timings, so
+    the second fresh one outvotes the stale one, and the policy moves to it, then keeps probing the
+    depth it left."""
     policy = DepthPolicy((0, 1), probe_every=8, probe_most=8, close=0.0)  # no near tie (next test)
     _measured(policy, 4, {0: 10.0, 1: 2.0})
     true_cost = {0: 1.0, 1: 2.0}  # 1 token for 1.0 beats 1.84 for 2.0
-    chosen = _served(policy, 4, [[0.84]], 30, lambda step, k: true_cost[k])
-    assert chosen[:8] == [1] * 8 and chosen[8] == 0  # the probe of the stale depth
-    assert chosen[9] == 0 and policy.current == 0  # its fresh cost won at once
-    assert chosen[10:].count(1) == 2 and chosen[-1] == 0  # one probe of depth 1 every 9 steps
+    chosen = _served(policy, 4, [[0.84]], 40, lambda step, k: true_cost[k])
+    assert chosen[:18] == [1] * 8 + [0] + [1] * 8 + [0]  # the probes of the stale depth, 9 steps apart
+    assert chosen[18] == 0 and policy.current == 0  # the second fresh timing won
+    assert chosen[18:].count(1) == 2 and chosen[-1] == 0  # one probe of depth 1 every 9 steps
 
 
 def test_a_depth_behind_the_runner_up_on_a_stale_cost_is_measured_again():
     """Depth 2 was measured once, slow (6.0 for a true 3.9), which put it behind depth 3 as well as
     depth 1; probing only the runner-up (depth 3) would never run it again. Every depth not run for
-    probe_every steps runs once, the runner-up first, and depth 2's fresh cost wins."""
+    probe_every steps runs once, the runner-up first, and depth 2's fresh costs win at its second
+    probe, when they outvote the stale one."""
     policy = DepthPolicy((1, 2, 3), probe_every=8, probe_most=8, close=0.0)  # no near tie
     _measured(policy, 4, {1: 3.0, 2: 6.0, 3: 5.0})
     true_cost, rates = {1: 3.0, 2: 3.9, 3: 5.0}, [[0.84, 0.74, 0.58]]  # 1.84, 2.46 and 2.82 tokens
-    chosen = _served(policy, 4, rates, 12, lambda step, k: true_cost[k])
-    assert chosen[:8] == [1] * 8 and chosen[8:10] == [3, 2]  # the runner-up, then the stalest
-    assert chosen[10:] == [2, 2] and policy.current == 2  # 2.46 / 3.9 beats 1.84 / 3.0 by 3%
+    chosen = _served(policy, 4, rates, 22, lambda step, k: true_cost[k])
+    assert chosen[:10] == [1] * 8 + [3, 2] and chosen[17:19] == [3, 2]  # the runner-up, then the stalest
+    assert chosen[19:] == [2, 2, 2] and policy.current == 2  # 2.46 / 3.9 beats 1.84 / 3.0 by 3%
 
 
 @pytest.mark.parametrize("close", [0.1, 0.0])
-def test_a_near_tie_is_probed_often_and_its_cost_averaged(close):
+def test_a_near_tie_is_probed_often_and_its_cost_taken_over_the_probes(close):
     """Depth 3 is 5% better than depth 2, but its one measurement came on a slow moment (1.15 for a
     true 1.04), which puts it 5% behind. Within `close` of the current depth, it runs every
-    close_probe_every steps, its cost averaged over the probes, until it wins (and depth 2, now the
+    close_probe_every steps, its cost the median of its timings, until it wins (and depth 2, now the
     near runner-up, is probed in turn); without the rule its next measurement is 64 steps away."""
     policy = DepthPolicy((2, 3), margin=0.02, close=close, close_probe_every=4, probe_every=64)
     _measured(policy, 1, {2: 1.0, 3: 1.15})
@@ -175,6 +178,20 @@ def test_a_near_tie_is_probed_often_and_its_cost_averaged(close):
         assert policy.current == 3 and chosen.index(3) < 5 and chosen[-10:] == [3, 3, 3, 2, 3] * 2
     else:
         assert chosen == [2] * 40
+
+
+def test_one_timing_in_a_fast_moment_moves_no_choice():
+    """Depth 3 is 5% better than depth 2, and both have been timed several times at their true costs.
+    Then one probe of depth 2 falls in a moment twice as fast: its cost is the median of its last
+    timings, so the outlier leaves it where it was (an average weighing it 0.2 put depth 2 ahead)."""
+    policy = DepthPolicy((2, 3), margin=0.02, close_probe_every=4)
+    _measured(policy, 1, {2: 1.0, 3: 1.04})
+    true_cost, rates = {2: 1.0, 3: 1.04}, [[0.86, 0.62, 0.42]]  # 2.39 tokens for 1.0, 2.62 for 1.04
+    chosen = _served(policy, 1, rates, 16, lambda step, k: true_cost[k])
+    assert chosen.count(2) == 3 and policy.current == 3  # probes, each timed at its true cost
+    fast = iter([0.5])  # the next probe of depth 2 only
+    chosen = _served(policy, 1, rates, 20, lambda step, k: true_cost[k] * (next(fast, 1.0) if k == 2 else 1))
+    assert chosen.count(2) == 4 and policy.current == 3  # probes only
 
 
 @given(accepted=st.integers(0, 3), depth=st.integers(1, 3), rates=rates_st)

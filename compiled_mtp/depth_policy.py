@@ -113,6 +113,7 @@ class DepthPolicy:
         # Drafts proposed and accepted at each position, by the depth of the step.
         self._proposed = {k: [0] * k for k in self.depths}
         self._accepted = {k: [0] * k for k in self.depths}
+        self._pooled = ([0] * self.depths[-1], [0] * self.depths[-1])  # the same over every depth
         self._observed = 0  # drafts tested so far: calibration() changes only with them
         self._calibrated: tuple[int, dict[int, float]] = (-1, {})
         self._catch_up: dict[int, float] = {}  # each bucket's MTP catch-up, seconds at its speed 1
@@ -122,10 +123,7 @@ class DepthPolicy:
 
     def counts(self) -> tuple[list[int], list[int]]:
         """Drafts proposed and accepted at each position, over the steps of every depth."""
-        positions = range(self.depths[-1])
-        proposed = [sum(p[j] for p in self._proposed.values() if j < len(p)) for j in positions]
-        accepted = [sum(a[j] for a in self._accepted.values() if j < len(a)) for j in positions]
-        return proposed, accepted
+        return list(self._pooled[0]), list(self._pooled[1])
 
     def prior(self) -> list[float]:
         """Acceptance per position from every step so far, each smoothed towards the one before."""
@@ -144,13 +142,14 @@ class DepthPolicy:
 
     def _calibrate(self) -> dict[int, float]:
         pooled = self.prior()
+        base = _expected_by_depth(pooled, self.depths[-1])
         out = {}
         for k in self.depths:
             own = [
                 (a + PSEUDO_STEPS * r) / (p + PSEUDO_STEPS)
                 for p, a, r in zip(self._proposed[k], self._accepted[k], pooled)
             ]
-            out[k] = expected_tokens(own, k) / expected_tokens(pooled, k)
+            out[k] = expected_tokens(own, k) / base[k]
         return out
 
     def observe(self, rates: list[float], depth: int, accepted: int) -> None:
@@ -161,6 +160,8 @@ class DepthPolicy:
             self._observed += 1
             self._proposed[depth][j] += 1
             self._accepted[depth][j] += hit
+            self._pooled[0][j] += 1
+            self._pooled[1][j] += hit
             rates[j] += self.request_alpha * (hit - rates[j])
 
     def record_cost(self, bucket: int, depth: int, seconds: float) -> None:

@@ -212,6 +212,18 @@ def test_observe_updates_only_the_tested_positions(accepted, depth, rates):
     assert len(prior) == 4 and all(0 < p < 1 for p in prior)
 
 
+@given(steps=st.lists(st.tuples(st.integers(1, 3), st.integers(0, 3)), max_size=40))
+def test_the_pooled_counts_sum_every_depths_counts(steps):
+    """counts() is kept as drafts are observed: it must equal the per-depth counts summed."""
+    policy = DepthPolicy((0, 1, 2, 3))
+    for depth, accepted in steps:
+        policy.observe([0.5] * 3, depth, min(accepted, depth))
+    proposed, accepted = policy.counts()
+    for j in range(3):
+        assert proposed[j] == sum(p[j] for p in policy._proposed.values() if j < len(p))
+        assert accepted[j] == sum(a[j] for a in policy._accepted.values() if j < len(a))
+
+
 def test_a_far_depth_is_probed_as_often_as_its_loss_allows():
     """K=0 wins by far, as at a large batch: a probe of depth 3 takes 4.0 for 2.05 tokens, which take
     2.05 at depth 0 (a loss of 1.95), and leaving depth 0 runs a catch-up of 1.2 first. At 1% of the

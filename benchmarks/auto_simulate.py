@@ -3,6 +3,7 @@
     python benchmarks/auto_simulate.py                                  # the policy as it ships
     python benchmarks/auto_simulate.py --setting request_alpha=0.3 --setting probe_most=64
     python benchmarks/auto_simulate.py --noise 0.2 --drift 0 0.03 --rev HEAD~1   # HEAD~1's policy beside
+    python benchmarks/auto_simulate.py --trace benchmarks/acceptance-trace.json  # real acceptance
 
 Each (B, K) step costs the iteration time `compiled-mtp bench` measured (benchmarks/bench-cpu.json,
 host time included); each draft position is accepted at the shipped model's held-out rate at K=3
@@ -12,8 +13,11 @@ each `--rev`'s DepthPolicy, the policy having served as many untimed first (a ru
 step's time is off its cost by up to +-`--noise`, and scaled by a machine speed that wanders by
 `--drift` a millisecond (this machine's memory speed moves by half within a fraction of a second; every
 system meets the same wandering, drawn from the seed); the mean over `--seeds` seeds is printed against
-the best fixed depth's. SIMULATED: no catch-up runs, and the costs do not move with the depth schedule
-as a real machine's do.
+the best fixed depth's. With `--trace`, acceptance is replayed from the real held-out generations
+instead (benchmarks/acceptance_trace.py): each seed serves every traced request, B at a time in a
+seeded order, and each step accepts what a step from that point of that text accepts, so a request's
+acceptance rises and falls as its text does. SIMULATED: no catch-up runs, and the costs do not move
+with the depth schedule as a real machine's do.
 """
 
 from __future__ import annotations
@@ -50,7 +54,9 @@ def main() -> None:
     parser.add_argument("--drift", type=float, nargs="+", default=[0.0, 0.03])
     parser.add_argument("--seeds", type=int, default=16)
     parser.add_argument("--rev", action="append", default=[], help="a commit whose policy runs too")
+    parser.add_argument("--trace", type=Path, help="replay the acceptance of acceptance_trace.py's JSON")
     args = parser.parse_args()
+    trace = json.loads(args.trace.read_text())["accepted"] if args.trace else None
     rows = json.loads(args.bench.read_text())["engine"]
     costs: dict[int, dict[int, float]] = {}
     for row in rows:
@@ -69,7 +75,18 @@ def main() -> None:
         **settings: float,
     ) -> float:
         runs = [
-            simulate(batch, depths, args.tokens, rates, s, *machine, warm_up=True, policy=policy, **settings)
+            simulate(
+                batch,
+                depths,
+                args.tokens,
+                rates,
+                s,
+                *machine,
+                warm_up=True,
+                policy=policy,
+                trace=trace,
+                **settings,
+            )
             for s in range(args.seeds)
         ]
         return statistics.mean(r["tok_s"] for r in runs)

@@ -33,6 +33,7 @@ import random
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
@@ -150,6 +151,7 @@ def simulate(
     drift: float = 0.0,
     warm_up: bool = False,
     policy: type[DepthPolicy] = DepthPolicy,
+    trace: list[list[int]] | None = None,
     **settings: float,
 ) -> dict:
     """Tokens/s of B requests of `tokens` tokens each, with drafts accepted at `rates` per position,
@@ -157,12 +159,33 @@ def simulate(
     policy(**settings) ("auto"); each step's time off its cost by up to +-noise, uniformly, and
     scaled by the machine's speed, which wanders (a log-normal walk of `drift` a millisecond, drawn
     from the seed alone, so every system meets the same machine). With `warm_up`, the policy first
-    serves the same number of requests untimed, as a runtime does before a timed run."""
+    serves the same requests untimed, as a runtime does before a timed run. With `trace` (for each
+    request, the drafts a K=3 step accepts with g tokens generated, at g = 1.., from
+    benchmarks/acceptance_trace.py), every request of the trace is served instead, B at a time in a
+    seeded order, accepting what its text accepts; `tokens` and `rates` are then unused."""
     chooser = policy(sorted(costs), **settings)
     speed = _speed_path(seed, drift)
-    if warm_up:
-        _serve(chooser, batch, costs, tokens, rates, random.Random(seed + (1 << 20)), noise, speed)
-    return _serve(chooser, batch, costs, tokens, rates, random.Random(seed), noise, speed)
+    result: dict = {}
+    for offset in ([1 << 20] if warm_up else []) + [0]:
+        rng = random.Random(seed + offset)
+        groups = _groups(batch, tokens, rates, trace, rng)
+        result = _serve(chooser, batch, costs, groups, rng, noise, speed)
+    return result
+
+
+Request = tuple[int, Callable[[int, int], int]]  # tokens wanted; (tokens generated, depth) -> accepted
+
+
+def _groups(
+    batch: int, tokens: int, rates: list[float], trace: list[list[int]] | None, rng: random.Random
+) -> list[list[Request]]:
+    """The batches a simulated run serves, one after another."""
+    if trace is None:
+        drawn = lambda g, k: next((j for j in range(k) if rng.random() >= rates[j]), k)  # noqa: E731
+        return [[(tokens, drawn)] * batch]
+    rows = rng.sample(trace, len(trace))
+    replayed = [(len(row) - 1, lambda g, k, row=row: min(k, row[g]) if g < len(row) else 0) for row in rows]
+    return [replayed[i : i + batch] for i in range(0, len(replayed), batch)]
 
 
 @functools.lru_cache(maxsize=64)
@@ -181,32 +204,34 @@ def _serve(
     policy: DepthPolicy,
     batch: int,
     costs: dict[int, float],
-    tokens: int,
-    rates: list[float],
+    groups: list[list[Request]],
     rng: random.Random,
     noise: float,
     speed: tuple[float, ...],
 ) -> dict:
-    depths = policy.depths
-    own = [policy.prior() for _ in range(batch)]
-    left, seconds, chosen = [tokens] * batch, 0.0, []
-    while any(left):
-        live = [i for i in range(batch) if left[i]]
-        k = (
-            depths[0]
-            if len(depths) == 1
-            else policy.choose(batch, [own[i] for i in live], [left[i] for i in live])
-        )
-        for i in live:
-            accepted = next((j for j in range(k) if rng.random() >= rates[j]), k)
-            left[i] -= min(left[i], accepted + 1)
-            policy.observe(own[i], k, accepted)
-        moment = speed[min(int(seconds * 1e3), len(speed) - 1)]
-        step = costs[k] / 1e3 * moment * (1 + noise * rng.uniform(-1, 1))
-        seconds += step
-        policy.record_cost(batch, k, step)
-        chosen.append(k)
-    return {"tok_s": batch * tokens / seconds, "depths": {k: chosen.count(k) for k in depths}}
+    depths, seconds, chosen = policy.depths, 0.0, []
+    for group in groups:
+        own = [policy.prior() for _ in group]
+        left = [wanted for wanted, _ in group]
+        while any(left):
+            live = [i for i in range(len(group)) if left[i]]
+            k = (
+                depths[0]
+                if len(depths) == 1
+                else policy.choose(batch, [own[i] for i in live], [left[i] for i in live])
+            )
+            for i in live:
+                wanted, drafts = group[i]
+                accepted = drafts(1 + wanted - left[i], k)
+                left[i] -= min(left[i], accepted + 1)
+                policy.observe(own[i], k, accepted)
+            moment = speed[min(int(seconds * 1e3), len(speed) - 1)]
+            step = costs[k] / 1e3 * moment * (1 + noise * rng.uniform(-1, 1))
+            seconds += step
+            policy.record_cost(batch, k, step)
+            chosen.append(k)
+    served = sum(wanted for group in groups for wanted, _ in group)
+    return {"tok_s": served / seconds, "depths": {k: chosen.count(k) for k in depths}}
 
 
 def main() -> None:

@@ -535,3 +535,23 @@ def test_restricted_draft_vocabulary_keeps_greedy_output_and_drafts_inside_it(no
             o.num_accepted_tokens
             for o in runtime(model, 3).generate(prompts, SamplingParams(max_new_tokens=20, ignore_eos=True))
         ]
+
+
+def test_a_step_accepts_what_its_text_accepts_at_any_depth(noisy_echo):
+    """Greedy drafts depend only on the text before them, and a prefill leaves M where decoding
+    does: a step at depth K taken with g tokens generated accepts min(K, a[g]) drafts, where a[g] is
+    what one K=3 step accepts right after prefilling the same text. benchmarks/acceptance_trace.py
+    replays any depth schedule from that."""
+    prompt, new = prompts_for(97, [6], seed=3)[0], 20
+    greedy = SamplingParams(max_new_tokens=new, ignore_eos=True)
+    text = runtime(noisy_echo, 3, buckets=(1,)).generate([prompt], greedy)[0].token_ids
+    one_step, rt = SamplingParams(max_new_tokens=2, ignore_eos=True), runtime(noisy_echo, 3, buckets=(1,))
+    a = [0] + [rt.generate([prompt + text[: g - 1]], one_step)[0].accepted_per_step[0] for g in range(1, new)]
+    assert 0 < sum(a) < 3 * (new - 1)  # some drafts rejected, some accepted
+    for k in (1, 2, 3):
+        steps = runtime(noisy_echo, k, buckets=(1,)).generate([prompt], greedy)[0].accepted_per_step
+        g = 1
+        for accepted in steps:
+            assert accepted == min(k, a[g])
+            g += accepted + 1
+        assert g >= new

@@ -3,6 +3,7 @@ greedy exactness and distribution under auto are in test_engine.py and test_dist
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 
@@ -272,3 +273,20 @@ def test_a_near_tie_across_depth_0_is_probed_as_its_catch_up_allows(rates, curre
     chosen = _served(policy, 4, [rates], 300, lambda step, k: true_cost[k])
     assert policy.current == current
     assert [i for i, k in enumerate(chosen) if k != current] == probes
+
+
+@pytest.mark.parametrize("remaining, spacing", [([100, 100], 512), ([100, 99], 425)])
+def test_a_probe_that_breaks_a_batchs_step_waits_for_its_extra_step(remaining, spacing):
+    """Depth 3 is far behind depth 0 (2 requests, 1.875 tokens each for 4.0 against 1 for 1.0): its
+    probe loses 2.125, so at probe_share 0.005 it runs every 425 steps. When the batch's requests want
+    the same number of tokens they finish together at depth 0, and the probe leaves them finishing at
+    different steps: one step more to pay, 3.125, 625 steps, held to probe_most."""
+    policy = DepthPolicy((0, 3), probe_share=0.005, probe_every=64, probe_most=512)
+    _measured(policy, 2, {0: 1.0, 3: 4.0})
+    chosen = []
+    for _ in range(1200):
+        k = policy.choose(2, [[0.5] * 3] * 2, remaining)
+        chosen.append(k)
+        policy.record_cost(2, k, {0: 1.0, 3: 4.0}[k])
+    probes = [step for step, k in enumerate(chosen) if k == 3]
+    assert len(probes) >= 2 and {b - a for a, b in itertools.pairwise(probes)} == {spacing + 1}

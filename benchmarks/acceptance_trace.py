@@ -7,11 +7,11 @@ The shipped model, drafting among its 1024 most frequent tokens as the bench doe
 every g = 1 .. new_tokens - 1, a request whose prompt is the prompt and the first g - 1 generated
 tokens is prefilled (which emits token g) and runs one decode step at K=3; the drafts it accepted are
 a[g]. Greedy drafts depend only on the text before them, and a prefill leaves the MTP layer where
-decoding does (the depth-switch tests of tests/test_engine.py hold it to that), so a step at depth K
-taken with g tokens generated accepts min(K, a[g]) drafts whatever ran before it: any depth schedule
-can be replayed from the trace (`benchmarks/auto_simulate.py --trace`), with the real acceptance of
-each request position by position. The graphs run eagerly (no compile), on a runtime long enough for
-every step's drafts.
+decoding does (tests/test_engine.py, test_a_step_accepts_what_its_text_accepts_at_any_depth), so a step
+at depth K taken with g tokens generated accepts min(K, a[g]) drafts whatever ran before it: any depth
+schedule can be replayed from the trace (`benchmarks/auto_simulate.py --trace`), with the real
+acceptance of each request position by position. The graphs run eagerly (no compile), on a runtime long
+enough for every step's drafts.
 """
 
 from __future__ import annotations

@@ -57,6 +57,7 @@ import argparse
 import statistics
 from collections import Counter, defaultdict, deque
 from collections.abc import Sequence
+from functools import partial
 
 Key = tuple[int, int]  # (bucket, depth)
 UNTIMED_CALLS = 2  # a key's first calls, never counted in its cost
@@ -121,8 +122,10 @@ class DepthPolicy:
         self._observed = 0  # drafts tested so far: calibration() changes only with them
         self._calibrated: tuple[int, dict[int, float]] = (-1, {})
         self._catch_up: dict[int, float] = {}  # each bucket's MTP catch-up, seconds at its speed 1
-        self._samples: defaultdict[Key, deque[float]] = defaultdict(deque)  # cost samples, newest last
-        self._catch_up_samples: defaultdict[int, deque[float]] = defaultdict(deque)
+        # Each key's last cost_window timings at its speed 1, and each bucket's catch-ups'.
+        window: partial[deque[float]] = partial(deque, maxlen=cost_window)
+        self._samples: defaultdict[Key, deque[float]] = defaultdict(window)
+        self._catch_up_samples: defaultdict[int, deque[float]] = defaultdict(window)
         self._catch_ups: Counter[int] = Counter()
 
     def counts(self) -> tuple[list[int], list[int]]:
@@ -188,12 +191,11 @@ class DepthPolicy:
             cost = seconds / self._speed.get(bucket, 1.0)
             self._catch_up[bucket] = self._median_of(self._catch_up_samples[bucket], cost)
 
-    def _median_of(self, samples: deque[float], sample: float) -> float:
+    @staticmethod
+    def _median_of(samples: deque[float], sample: float) -> float:
         """The median of the last `cost_window` samples, `sample` the newest: one step timed in a
         slow or fast moment moves it only within the others."""
-        if len(samples) == self.cost_window:
-            samples.popleft()
-        samples.append(sample)
+        samples.append(sample)  # the oldest drops out at maxlen
         return statistics.median(samples)
 
     def expected(self, rates: Sequence[Sequence[float]], remaining: Sequence[int]) -> dict[int, float]:

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from compiled_mtp.bench import _runtimes, add_arguments, bench_prompts, timed_prompts
+from compiled_mtp.bench import _runtimes, add_arguments, bench_prompts, timed_batches, timed_prompts
 from compiled_mtp.depth_policy import DepthPolicy
 from compiled_mtp.models.checkpoint import load_model
 from compiled_mtp.models.draft_vocab import read_ranking
@@ -58,9 +58,10 @@ class BenchSystems:
         self.model.restrict_drafts(
             torch.tensor(read_ranking(a.model, self.model.cfg.vocab_size)[: a.draft_vocab])
         )
-        count = timed_prompts(count, batch)
-        prompts = bench_prompts(a.model, self.model.cfg.vocab_size, count, a.prompt_len).token_ids
-        self.groups = [prompts[i : i + batch] for i in range(0, count, batch)]
+        prompts = bench_prompts(
+            a.model, self.model.cfg.vocab_size, timed_prompts(count, batch), a.prompt_len
+        ).token_ids
+        self.groups = timed_batches(prompts, count, batch)
         self.params = SamplingParams(max_new_tokens=a.new_tokens, ignore_eos=True)
 
     def runtimes(self) -> dict[int | str, Runtime]:

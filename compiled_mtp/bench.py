@@ -300,6 +300,11 @@ def timed_prompts(count: int, b: int) -> int:
     return -(-count // b) * b
 
 
+def timed_batches(prompts: list[list[int]], count: int, b: int) -> list[list[list[int]]]:
+    """The batches a round generates at batch b: the first timed_prompts(count, b) prompts, b at a time."""
+    return [prompts[i : i + b] for i in range(0, timed_prompts(count, b), b)]
+
+
 def measure_acceptance(rt: Runtime, prompts: list[list[int]], new_tokens: int) -> Acceptance:
     """Greedy acceptance at the runtime's depth; `rt` must be fresh, since stats() accumulate."""
     rt.generate(prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
@@ -381,8 +386,8 @@ def bench_engine(
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     runs, peer_runs = [], []
     for b in args.batch_sizes:
-        count = timed_prompts(args.timed_prompts, b)
-        groups = [prompts.token_ids[i : i + b] for i in range(0, count, b)]
+        groups = timed_batches(prompts.token_ids, args.timed_prompts, b)
+        count = sum(map(len, groups))
         for rt in runtimes.values():
             timed_generate(rt, groups[0], params)
         turns = peers if b == 1 else {}

@@ -50,6 +50,9 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
 def test_a_round_times_the_prompts_asked_for_rounded_up_to_whole_batches(count, b):
     timed = bench.timed_prompts(count, b)
     assert timed % b == 0 and count <= timed < count + b
+    prompts = [[i] for i in range(timed)]
+    batches = bench.timed_batches(prompts, count, b)
+    assert all(len(batch) == b for batch in batches) and [p for batch in batches for p in batch] == prompts
 
 
 def test_json_has_every_section(result):

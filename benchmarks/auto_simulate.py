@@ -9,7 +9,8 @@ Each (B, K) step costs the iteration time `compiled-mtp bench` measured (benchma
 host time included); each draft position is accepted at the shipped model's held-out rate at K=3
 (train_log.json, conditional on the position before), seeded. For each B, B requests of `--tokens`
 tokens run at every fixed depth and under DepthPolicy with each `--setting` (the defaults first) and
-each `--rev`'s DepthPolicy, the policy having served as many untimed first (a runtime's warm-up). Each
+each `--rev`'s DepthPolicy, the policy having served as many untimed first (a runtime's warm-up; with
+`--warm-up N`, the first N batches of them only: the bench's runtimes warm up on one). Each
 step's time is off its cost by up to +-`--noise`, and scaled by a machine speed that wanders by
 `--drift` a millisecond (this machine's memory speed moves by half within a fraction of a second; every
 system meets the same wandering, drawn from the seed); the mean over `--seeds` seeds is printed against
@@ -40,7 +41,7 @@ from compiled_mtp.depth_policy import DepthPolicy  # noqa: E402
 
 def setting(text: str) -> tuple[str, float]:
     name, _, value = text.partition("=")
-    return name, float(value)
+    return name, int(value) if value.isdigit() else float(value)  # a window's length is a count
 
 
 def main() -> None:
@@ -54,6 +55,9 @@ def main() -> None:
     parser.add_argument("--drift", type=float, nargs="+", default=[0.0, 0.03])
     parser.add_argument("--seeds", type=int, default=16)
     parser.add_argument("--rev", action="append", default=[], help="a commit whose policy runs too")
+    parser.add_argument(
+        "--warm-up", type=int, default=1 << 30, help="batches served untimed first (default: all)"
+    )
     parser.add_argument("--trace", type=Path, help="replay the acceptance of acceptance_trace.py's JSON")
     args = parser.parse_args()
     trace = json.loads(args.trace.read_text())["accepted"] if args.trace else None
@@ -82,7 +86,7 @@ def main() -> None:
                 rates,
                 s,
                 *machine,
-                warm_up=True,
+                warm_up=args.warm_up,
                 policy=policy,
                 trace=trace,
                 **settings,

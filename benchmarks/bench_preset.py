@@ -149,7 +149,7 @@ def simulate(
     seed: int,
     noise: float = 0.0,
     drift: float = 0.0,
-    warm_up: bool = False,
+    warm_up: int = 0,
     policy: type[DepthPolicy] = DepthPolicy,
     trace: list[list[int]] | None = None,
     **settings: float,
@@ -158,17 +158,18 @@ def simulate(
     at the depth `costs` (ms a step) holds one of (fixed) or, with several, chosen by
     policy(**settings) ("auto"); each step's time off its cost by up to +-noise, uniformly, and
     scaled by the machine's speed, which wanders (a log-normal walk of `drift` a millisecond, drawn
-    from the seed alone, so every system meets the same machine). With `warm_up`, the policy first
-    serves the same requests untimed, as a runtime does before a timed run. With `trace` (for each
+    from the seed alone, so every system meets the same machine). The policy first serves the first
+    `warm_up` batches of the same requests untimed, as a runtime does before a timed run (the bench
+    warms up on one). With `trace` (for each
     request, the drafts a K=3 step accepts with g tokens generated, at g = 1.., from
     benchmarks/acceptance_trace.py), every request of the trace is served instead, B at a time in a
     seeded order, accepting what its text accepts; `tokens` and `rates` are then unused."""
     chooser = policy(sorted(costs), **settings)
     speed = _speed_path(seed, drift)
     result: dict = {}
-    for offset in ([1 << 20] if warm_up else []) + [0]:
+    for offset, served in ([(1 << 20, warm_up)] if warm_up else []) + [(0, None)]:
         rng = random.Random(seed + offset)
-        groups = _groups(batch, tokens, rates, trace, rng)
+        groups = _groups(batch, tokens, rates, trace, rng)[:served]
         result = _serve(chooser, batch, costs, groups, rng, noise, speed)
     return result
 

@@ -35,8 +35,9 @@ run the bucket for fewer rows.
 A cost is only as current as the last step run at that key: a depth that lost once would never be
 measured again. So every depth not run for `probe_every` steps of a bucket runs one step; every depth
 within `close` of the current one's value runs every `close_probe_every` steps: a near tie is what one
-noisy measurement decides wrongly, and a probe of a depth worth nearly as much costs nearly nothing. Of
-the depths due, the most valuable runs first.
+noisy measurement decides wrongly, and a probe of a depth worth nearly as much costs nearly nothing. So
+does a depth whose last timing alone would beat the current one, however far behind its median puts it:
+two more timings outvote the older ones. Of the depths due, the most valuable runs first.
 
 A probe of a depth far behind costs more: its step takes longer than the current depth would for the
 same tokens. So does any probe across depth 0, near tie or not: leaving depth 0 first runs the MTP
@@ -226,6 +227,8 @@ class DepthPolicy:
             # A probe to or from depth 0 runs a catch-up: it costs more than a near tie's step
             near = value[k] * (1 + self.close) >= value[self.current] and 0 not in (k, self.current)
             every = self.close_probe_every if near else self._far_every(bucket, k, value, in_step)
+            if tokens[k] / self._samples[bucket, k][-1] > value[self.current]:
+                every = min(every, self.close_probe_every)  # its last timing alone would win
             return self._steps[bucket] - self._measured_at[bucket, k] > every
 
         probes = [k for k in self.depths if k != self.current and due(k)]

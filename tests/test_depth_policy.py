@@ -290,3 +290,22 @@ def test_a_probe_that_breaks_a_batchs_step_waits_for_its_extra_step(remaining, s
         policy.record_cost(2, k, {0: 1.0, 3: 4.0}[k])
     probes = [step for step, k in enumerate(chosen) if k == 3]
     assert len(probes) >= 2 and {b - a for a, b in itertools.pairwise(probes)} == {spacing + 1}
+
+
+@pytest.mark.parametrize(("true_cost", "spacing"), [(1.5, 17), (3.0, 233)])
+def test_a_depth_whose_last_timing_would_win_is_probed_again_soon(true_cost, spacing):
+    """Depth 1 was timed once slow (3.0), so depth 0 holds: 1 token for 1.0 against 1.84 for 3.0. A
+    probe of depth 1 loses 3.0 * (1 - 0.613) = 1.16, so it waits 232 steps at probe_share 0.005. If
+    it comes out at 1.5, depth 1 would win on that timing alone, but the median of [3.0, 1.5] does
+    not let it: the next probe comes close_probe_every steps later, and its timing, the second of
+    three, moves the policy to depth 1. If it comes out at 3.0 again, the loss rule spaces the next."""
+    policy = DepthPolicy((0, 1), close=0.0, probe_every=64, close_probe_every=16, probe_share=0.005)
+    _measured(policy, 4, {0: 1.0, 1: 3.0})
+    costs = {0: 1.0, 1: true_cost}
+    chosen = _served(policy, 4, [[0.84]], 500, lambda step, k: costs[k])
+    probes = [step for step, k in enumerate(chosen) if k == 1]
+    assert probes[:2] == [232, 232 + spacing]
+    if true_cost < 1.84:
+        assert policy.current == 1 and chosen[232 + spacing : 300] == [1] * (300 - 232 - spacing)
+    else:
+        assert policy.current == 0 and len(probes) == 2

@@ -4,11 +4,11 @@ Each REV's `compiled_mtp/depth_policy.py` (host code on the step times and accep
 reports; it imports nothing of the package) is loaded as a module of its own and put into a runtime at
 "auto", beside the bench's systems of this checkout (benchmarks/auto_trace.py): one runtime per depth
 0..3 and one at "auto" with this checkout's policy, all sharing one set of graphs. Each is warmed up at
-B=1 and at B, then `--rounds` rounds run them in turns, each round the first `--timed-prompts` held-out
-prompts (as the bench), B at a time, 64 new tokens each. Printed: each system's decode tok/s over all
-rounds, its ratio to the best fixed depth's over all rounds, the same ratio round by round (median,
-range) and auto's steps per depth. In one process, since two processes' step times differ by up to 30%
-here at the same schedule.
+B=1 and at B, then `--rounds` rounds run them in turns at each batch (as the bench), each round the
+first `--timed-prompts` held-out prompts, B at a time, 64 new tokens each. Printed: each system's
+decode tok/s over all rounds, its ratio to the best fixed depth's over all rounds, the same ratio
+round by round (median, range) and auto's steps per depth. In one process, since two processes'
+step times differ by up to 30% here at the same schedule.
 
     python benchmarks/auto_commits.py 392d5b5~1 [--batch 4] [--rounds 20] [--timed-prompts 8] [--cache-dir DIR]
 """
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from auto_trace import BenchSystems, warm_up
 
-from compiled_mtp.bench import timed_groups
+from compiled_mtp.bench import timed_generate, turns
 from compiled_mtp.depth_policy import DepthPolicy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,10 +60,9 @@ def main() -> None:
     for rt in runtimes.values():
         warm_up(rt, groups[0], params)
     before = {k: dict(rt.stats()["depth_histogram"]) for k, rt in runtimes.items()}
-    seconds: dict[int | str, list[float]] = {k: [] for k in runtimes}
-    for _ in range(args.rounds):
-        for k, rt in runtimes.items():
-            seconds[k].append(timed_groups(rt, groups, params).decode_seconds)
+    seconds: dict[int | str, list[float]] = {k: [0.0] * args.rounds for k in runtimes}
+    for r, group, k in turns(list(runtimes), groups, args.rounds):
+        seconds[k][r] += timed_generate(runtimes[k], group, params).decode_seconds
     tokens = sum(map(len, groups)) * (params.max_new_tokens - 1)
     fixed = [k for k in runtimes if isinstance(k, int)]
     best = min(fixed, key=lambda k: sum(seconds[k]))

@@ -7,9 +7,9 @@ What it measures (greedy decoding throughout, the same prompts for every system)
   and the acceptance rate per draft position;
 - tokens/s of the engine for each (K, B), and with `mtp_depth="auto"` (each step's depth chosen among
   the measured ones): one untimed run per system warms the key up (compiles its graphs; auto also learns
-  its costs there), then `--runs` rounds in which every system runs once in turn, so a change in
-  memory speed meets them all; the best run counts, prompts * new tokens / wall seconds of the run
-  (prefill included). Each row's speedup over K=0 at its B is set beside the bandwidth bound's
+  its costs there), then `--runs` rounds in which the systems take turns at every batch of prompts
+  (`turns`), so a change in memory speed meets them all; the best run counts, prompts * new tokens
+  / wall seconds of the run (prefill included). Each row's speedup over K=0 at its B is set beside the bandwidth bound's
   speedup and the fraction of it achieved. The goals' ratios of two systems, of their best runs, come
   with the same ratio taken round by round (median and range), in which a drift in memory speed
   between rounds cancels. Host time per iteration is stats()["host_seconds"] / decode steps over the
@@ -50,10 +50,11 @@ import platform
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -71,6 +72,9 @@ from .ops import library
 from .passes.manager import add_pass_switch, without
 from .runtime import DTYPES, Runtime, SamplingParams, acceptance_length, check_device
 from .tokenizer import Tokenizer
+
+S = TypeVar("S")  # a system's name
+G = TypeVar("G")  # the work a system runs in one turn
 
 GGUF_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 MATPLOTLIB_MISSING = "matplotlib is not installed: install the bench extra: pip install 'compiled_mtp[bench]'"
@@ -289,10 +293,23 @@ def timed_generate(rt: Runtime, prompts: list[list[int]], params: SamplingParams
     )
 
 
-def timed_groups(rt: Runtime, groups: list[list[list[int]]], params: SamplingParams) -> Timing:
-    """`timed_generate` over each group of prompts in turn, its figures summed."""
-    runs = [timed_generate(rt, group, params) for group in groups]
-    return Timing(*(sum(getattr(t, f.name) for t in runs) for f in fields(Timing)))
+def summed(timings: Sequence[Timing]) -> Timing:
+    """The figures of several timed generations, added up."""
+    return Timing(*(sum(getattr(t, f.name) for t in timings) for f in fields(Timing)))
+
+
+def turns(systems: list[S], groups: Sequence[G], rounds: int) -> Iterator[tuple[int, G, S]]:
+    """(round, group, system) in the order the systems take turns: in each round every system runs a
+    group before the next group starts, the order shifted by one at each group. The machine's memory
+    speed moves by half within a fraction of a second here, so systems that each ran a whole round in
+    turn met different speeds; taking turns at every group, each meets the same moments, and no system
+    always runs right after the same other one."""
+    shift = 0
+    for r in range(rounds):
+        for group in groups:
+            for system in systems[shift:] + systems[:shift]:
+                yield r, group, system
+            shift = (shift + 1) % len(systems)
 
 
 def timed_prompts(count: int, b: int) -> int:
@@ -390,24 +407,24 @@ def bench_engine(
         count = sum(map(len, groups))
         for rt in runtimes.values():
             timed_generate(rt, groups[0], params)
-        turns = peers if b == 1 else {}
-        for peer in turns.values():
+        peers_now = peers if b == 1 else {}
+        for peer in peers_now.values():
             peer.generate(groups[0][0], args.new_tokens)
-        timings: dict[int | str, list[Timing]] = {k: [] for k in runtimes}
         depths_before = runtimes["auto"].stats()["depth_histogram"] if "auto" in runtimes else {}
-        peer_seconds: dict[str, list[float]] = {name: [] for name in turns}
-        for _ in range(args.runs):
-            for k, rt in runtimes.items():
-                timings[k].append(timed_groups(rt, groups, params))
-            for name, peer in turns.items():
-                peer_seconds[name].append(sum(_peer_seconds(peer, g[0], args.new_tokens) for g in groups))
-        expected = next(iter(runtimes.values())).generate(groups[0], params)[0].token_ids if turns else []
-        for name, peer in turns.items():
+        timings: dict[int | str, list[list[Timing]]] = {k: [[] for _ in range(args.runs)] for k in runtimes}
+        peer_seconds = {name: [0.0] * args.runs for name in peers_now}
+        for r, group, name in turns([*runtimes, *peers_now], groups, args.runs):
+            if isinstance(name, str) and name in peers_now:
+                peer_seconds[name][r] += _peer_seconds(peers_now[name], group[0], args.new_tokens)
+            else:
+                timings[name][r].append(timed_generate(runtimes[name], group, params))
+        expected = next(iter(runtimes.values())).generate(groups[0], params)[0].token_ids if peers_now else []
+        for name, peer in peers_now.items():
             run = _compared_peer_run(name, peer, groups[0][0], expected, peer_seconds[name], count)
             peer_runs.append(run)
             print(f"  {name} B=1: {peer_runs[-1].tokens_per_s:.1f} tok/s", flush=True)
         for k, rt in runtimes.items():
-            runs.append(engine_run(k, b, count, args.new_tokens, timings[k]))
+            runs.append(engine_run(k, b, count, args.new_tokens, [summed(t) for t in timings[k]]))
             if k == "auto":
                 after = rt.stats()["depth_histogram"]
                 runs[-1].depth_histogram = {

@@ -55,6 +55,17 @@ def test_a_round_times_the_prompts_asked_for_rounded_up_to_whole_batches(count, 
     assert all(len(batch) == b for batch in batches) and [p for batch in batches for p in batch] == prompts
 
 
+@given(systems=st.integers(1, 6), groups=st.integers(1, 8), rounds=st.integers(1, 4))
+def test_systems_take_turns_at_every_group_each_leading_as_often(systems, groups, rounds):
+    order = list(bench.turns(list(range(systems)), list(range(groups)), rounds))
+    # Every system runs every group once a round, and a group's turns all come before the next one's.
+    expected = [(r, g) for r in range(rounds) for g in range(groups) for _ in range(systems)]
+    assert [(r, g) for r, g, _ in order] == expected
+    turns = [[s for _, _, s in order[i : i + systems]] for i in range(0, len(order), systems)]
+    # The order shifts by one a turn, so the system that leads cycles through all of them.
+    assert turns == [[(i + j) % systems for j in range(systems)] for i in range(len(turns))]
+
+
 def test_json_has_every_section(result):
     data, _ = result
     assert set(data) == {"meta", "acceptance", "engine", "hf", "bound", "peers", "goals"}

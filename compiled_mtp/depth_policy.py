@@ -63,6 +63,7 @@ from functools import partial
 Key = tuple[int, int]  # (bucket, depth)
 UNTIMED_CALLS = 2  # a key's first calls, never counted in its cost
 PSEUDO_STEPS = 16  # the pooled history's weight, in steps, in a depth's own acceptance rates
+CALIBRATE_AFTER = 64  # calibration() is worked out again after a 64th more drafts were tested
 
 
 def expected_tokens(rates: Sequence[float], depth: int) -> float:
@@ -109,6 +110,8 @@ class DepthPolicy:
         self.probe_share = probe_share
         self.probe_most = probe_most
         self.current = self.depths[-1]
+        self._soonest = min(close_probe_every, probe_every)  # no depth is probed sooner
+        self._timed: set[int] = set()  # buckets whose every key has a cost
         self._cost: dict[Key, float] = {}  # seconds at the bucket's speed 1
         self._speed: dict[int, float] = {}  # each bucket's time over its keys' costs, lately
         self._last: dict[int, int] = {}  # the depth of each bucket's last step
@@ -143,8 +146,11 @@ class DepthPolicy:
 
     def calibration(self) -> dict[int, float]:
         """c_K for every depth: expected tokens from depth K's own steps over those from all steps.
-        Computed again only after new drafts were tested (not on a stretch of depth-0 steps)."""
-        if self._calibrated[0] != self._observed:
+        Computed again once the drafts tested since the last time reach a CALIBRATE_AFTER-th of those
+        tested by then: each draft moves it by about that share at most, and working it out at every
+        step took about a third of the policy's time on the host at B=1."""
+        last = self._calibrated[0]
+        if self._observed > last + last // CALIBRATE_AFTER:
             self._calibrated = (self._observed, self._calibrate())
         return self._calibrated[1]
 
@@ -202,50 +208,57 @@ class DepthPolicy:
     def expected(self, rates: Sequence[Sequence[float]], remaining: Sequence[int]) -> dict[int, float]:
         """Tokens a batch is expected to commit in one step at each depth: its requests' rates,
         calibrated for the depth, each request's count capped at the tokens it still wants."""
-        per_request = [_expected_by_depth(r, self.depths[-1]) for r in rates]
         scale = self.calibration()
-        return {k: sum(min(e[k] * scale[k], n) for e, n in zip(per_request, remaining)) for k in self.depths}
+        tokens = dict.fromkeys(self.depths, 0.0)
+        for r, n in zip(rates, remaining):
+            e = _expected_by_depth(r, self.depths[-1])
+            for k in self.depths:
+                tokens[k] += min(e[k] * scale[k], n)
+        return tokens
 
     def choose(self, bucket: int, rates: Sequence[Sequence[float]], remaining: Sequence[int]) -> int:
         """The depth for the next step of a batch in `bucket`: its requests' rates and wanted tokens."""
-        loading = [k for k in self.depths if self._seen[bucket, k] < UNTIMED_CALLS]
-        untried = [k for k in self.depths if (bucket, k) not in self._cost]
-        if loading or untried:
-            return (loading or untried)[0]  # each key's first timing back to back, at one speed
+        if bucket not in self._timed:
+            loading = [k for k in self.depths if self._seen[bucket, k] < UNTIMED_CALLS]
+            untried = [k for k in self.depths if (bucket, k) not in self._cost]
+            if loading or untried:
+                return (loading or untried)[0]  # each key's first timing back to back, at one speed
+            self._timed.add(bucket)  # a cost, once measured, is only ever replaced
         tokens = self.expected(rates, remaining)
         value = {k: tokens[k] / self._cost[bucket, k] for k in self.depths}
-        best = max(self.depths, key=lambda k: value[k])
+        best = max(value, key=value.__getitem__)
         margin = self.zero_margin if 0 in (best, self.current) else self.margin
         if value[best] > value[self.current] * (1 + margin):
             self.current = best
         self._steps[bucket] += 1
 
-        # Requests that want the same number of tokens finish together while they decode at depth 0.
-        in_step = len(remaining) > 1 and len(set(remaining)) == 1
-
         def due(k: int) -> bool:
+            since = self._steps[bucket] - self._measured_at[bucket, k]
+            if since <= self._soonest:
+                return False  # the shortest wait below, known without working out which applies
             # A probe to or from depth 0 runs a catch-up: it costs more than a near tie's step
             near = value[k] * (1 + self.close) >= value[self.current] and 0 not in (k, self.current)
-            every = self.close_probe_every if near else self._far_every(bucket, k, value, in_step)
+            every = self.close_probe_every if near else self._far_every(bucket, k, value, remaining)
             if tokens[k] / self._samples[bucket, k][-1] > value[self.current]:
                 every = min(every, self.close_probe_every)  # its last timing alone would win
-            return self._steps[bucket] - self._measured_at[bucket, k] > every
+            return since > every
 
         probes = [k for k in self.depths if k != self.current and due(k)]
-        return max(probes, key=lambda k: value[k], default=self.current)
+        return max(probes, key=value.__getitem__, default=self.current)
 
-    def _far_every(self, bucket: int, k: int, value: dict[int, float], in_step: bool) -> float:
+    def _far_every(self, bucket: int, k: int, value: dict[int, float], remaining: Sequence[int]) -> float:
         """Steps between probes of depth k, far behind the current depth or on the other side of
         depth 0: its probe's loss (the time its step takes beyond what the current depth takes for the
         same tokens, plus the catch-up that leaving depth 0, or coming back to speculation after the
         probe, runs, plus one more step at the batch's end when a probe from depth 0 leaves requests
-        `in_step` finishing at different steps) at most probe_share of the steps' time between, in
-        probe_every..probe_most."""
+        that want as many tokens as each other finishing at different steps) at most probe_share of
+        the steps' time between, in probe_every..probe_most."""
         current = self.current
         loss = self._cost[bucket, k] * max(0.0, 1 - value[k] / value[current])
         if 0 in (k, current):
             loss += self._catch_up.get(bucket, 0.0)
-        if current == 0 and in_step:
+        # Requests that want the same number of tokens finish together while they decode at depth 0.
+        if current == 0 and len(remaining) > 1 and len(set(remaining)) == 1:
             loss += self._cost[bucket, 0]
         steps = loss / (self.probe_share * self._cost[bucket, current])
         return min(self.probe_most, max(self.probe_every, steps))

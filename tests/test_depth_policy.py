@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from compiled_mtp.depth_policy import DepthPolicy, expected_tokens
+from compiled_mtp.depth_policy import CALIBRATE_AFTER, DepthPolicy, expected_tokens
 
 rates_st = st.lists(st.floats(0, 1), min_size=4, max_size=4)
 
@@ -245,15 +245,19 @@ def test_a_far_depth_is_probed_as_often_as_its_loss_allows():
     assert [step for step, c in enumerate(chosen) if c == 1] == [64, 129]
 
 
-@given(steps=st.lists(st.tuples(st.sampled_from([0, 1, 3]), st.integers(0, 3), st.booleans()), max_size=30))
-def test_calibration_is_recomputed_whenever_drafts_were_tested(steps):
-    """Asked between observations or not, calibration() equals a fresh computation from the counts."""
+@given(steps=st.lists(st.tuples(st.sampled_from([0, 1, 3]), st.integers(0, 3), st.booleans()), max_size=150))
+def test_calibration_is_recomputed_once_a_64th_more_drafts_were_tested(steps):
+    """Asked between observations or not, calibration() is what the counts gave when the drafts
+    tested since were at most a 64th of those tested then (while fewer than 64: none)."""
     policy = DepthPolicy((0, 1, 3))
+    fresh = {0: policy._calibrate()}  # by drafts tested
     for depth, accepted, ask in steps:
         policy.observe([0.5] * 3, depth, min(accepted, depth))
+        fresh[policy._observed] = policy._calibrate()
         if ask:
             policy.calibration()
-        assert policy.calibration() == policy._calibrate()
+        now = policy._observed
+        assert any(policy.calibration() == c for n, c in fresh.items() if now <= n + n // CALIBRATE_AFTER)
 
 
 @pytest.mark.parametrize(

@@ -58,7 +58,7 @@ def main() -> None:
         runtimes[f"auto at {rev}"] = rt
     groups, params = systems.groups, systems.params
     for rt in runtimes.values():
-        warm_up(rt, groups[0], params)
+        warm_up(rt, groups, params)
     before = {k: dict(rt.stats()["depth_histogram"]) for k, rt in runtimes.items()}
     seconds: dict[int | str, list[float]] = {k: [0.0] * args.rounds for k in runtimes}
     for r, group, k in turns(list(runtimes), groups, args.rounds):

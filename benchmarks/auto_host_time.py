@@ -56,7 +56,7 @@ def main() -> None:
     groups, params = systems.groups, systems.params
     calls: dict[int | str, Counter[str]] = {}
     for k, rt in runtimes.items():
-        warm_up(rt, groups[0], params)
+        warm_up(rt, groups, params)
         rt.reset_stats()
         calls[k] = Counter()
         timed_calls(rt._policy, calls[k])

@@ -2,8 +2,8 @@
 
 The bench's systems (one runtime per depth and one at "auto" over them, the shipped model drafting
 among its 1024 most frequent tokens) generate the bench's first `--timed-prompts` held-out prompts,
-B at a time: each warmed up at B=1 and at B (as the bench runs them), then `--rounds` rounds in
-turns. For every decode step of auto's bucket after its first timings, a line: the depth run, the
+B at a time: each warmed up with a round at B=1 and one at B (as the bench warms them), then
+`--rounds` rounds in turns. For every decode step of auto's bucket after its first timings, a line: the depth run, the
 depth the policy holds, the batch's expected tokens at each depth (calibrated), each depth's cost at
 the policy's reference speed (ms), their values and the step's own wall time. Then each runtime's
 conditional acceptance per draft position, from the steps it ran, and the whole generations' times.
@@ -68,10 +68,13 @@ class BenchSystems:
         return _runtimes(self.model, self.args)
 
 
-def warm_up(rt: Runtime, prompts: list[list[int]], params: SamplingParams) -> None:
-    """B=1 first, as the bench runs it: a batch's last steps run there."""
-    rt.generate(prompts[:1], params)
-    rt.generate(prompts, params)
+def warm_up(rt: Runtime, groups: list[list[list[int]]], params: SamplingParams) -> None:
+    """As the bench warms a runtime up: a round at B=1 (the first batch's prompts one at a time: a
+    batch's last steps run there), then a round at B, untimed."""
+    for prompt in groups[0]:
+        rt.generate([prompt], params)
+    for group in groups:
+        rt.generate(group, params)
 
 
 def conditional_rates(policy: DepthPolicy) -> list[str]:
@@ -158,7 +161,7 @@ def main() -> None:
     traced(runtimes["auto"]._policy, args.batch, lines)
     seconds: dict[int | str, list[float]] = {k: [] for k in runtimes}
     for rt in runtimes.values():
-        warm_up(rt, groups[0], params)
+        warm_up(rt, groups, params)
     for r in range(args.rounds):
         lines.append(f"round {r}")
         for k, rt in runtimes.items():

@@ -30,7 +30,7 @@ def main() -> None:
     runtimes = {k: rt for k, rt in systems.runtimes().items() if k in (0, 3)}
     groups, params = systems.groups, systems.params
     for rt in runtimes.values():
-        warm_up(rt, groups[0], params)
+        warm_up(rt, groups, params)
     ratios: dict[str, list[float]] = {"whole rounds": [], "every batch": []}
     for _ in range(args.rounds):
         for order in ratios:

@@ -6,15 +6,16 @@ What it measures (greedy decoding throughout, the same prompts for every system)
   acceptance prompt; its `stats()` give the acceptance length (tokens per request and decode step)
   and the acceptance rate per draft position;
 - tokens/s of the engine for each (K, B), and with `mtp_depth="auto"` (each step's depth chosen among
-  the measured ones): one untimed run per system warms the key up (compiles its graphs; auto also learns
-  its costs there), then `--runs` rounds in which the systems take turns at every batch of prompts
-  (`turns`), so a change in memory speed meets them all; the best run counts, prompts * new tokens
-  / wall seconds of the run (prefill included). Each row's speedup over K=0 at its B is set beside the bandwidth bound's
-  speedup and the fraction of it achieved. The goals' ratios of two systems, of their best runs, come
-  with the same ratio taken round by round (median and range), in which a drift in memory speed
-  between rounds cancels. Host time per iteration is stats()["host_seconds"] / decode steps over the
-  decode-only steps of the best run (every step after a batch's first, which prefills its B prompts); its
-  share is that over the decode-only wall time per step;
+  the measured ones): one untimed round warms every system up (loads or compiles its graphs; auto
+  learns its costs there, as a server's runtime has long before its steady state), then `--runs`
+  rounds in which the systems take turns at every batch of prompts (`turns`), so a change in memory
+  speed meets them all; the best run counts, prompts * new tokens / wall seconds of the run (prefill
+  included). Each row's speedup over K=0 at its B is set beside the bandwidth bound's speedup and the
+  fraction of it achieved. The goals' ratios of two systems, of their best runs, come with the same
+  ratio taken round by round (median and range), in which a drift in memory speed between rounds
+  cancels. Host time per iteration is stats()["host_seconds"] / decode steps over the decode-only
+  steps of the best run (every step after a batch's first, which prefills its B prompts); its share is
+  that over the decode-only wall time per step;
 - HF transformers `generate` at each B and `generate(use_mtp=True)` at B = 1 (HF refuses batches),
   on the first B prompts only (HF is slow): warm-up run, best of `--runs`, whole-call wall time;
 - on CPU, where llama-cpp-python is installed, llama.cpp at B = 1 on a GGUF export of the same
@@ -405,8 +406,8 @@ def bench_engine(
     for b in args.batch_sizes:
         groups = timed_batches(prompts.token_ids, args.timed_prompts, b)
         count = sum(map(len, groups))
-        for rt in runtimes.values():
-            timed_generate(rt, groups[0], params)
+        for _, group, k in turns(list(runtimes), groups, 1):  # a round untimed
+            timed_generate(runtimes[k], group, params)
         peers_now = peers if b == 1 else {}
         for peer in peers_now.values():
             peer.generate(groups[0][0], args.new_tokens)

@@ -50,17 +50,25 @@ requests want the same number of tokens costs one step more: they finished toget
 they finish at different steps, the last of them in a step of their own. Counted and allowed 512 steps,
 that took auto at B=8, where K=0 wins, from 0.95-0.97x to 0.98-1.00x K=0, simulated on a bench run's
 step times and the held-out text's own acceptance (benchmarks/README.md).
+
+Working a choice out takes tens of microseconds of Python at a large batch, about 2% of its step.
+A batch holding depth 0 moves none of the choice's inputs (its steps test no draft and, steady, time
+no cost anew), so until a probe falls due, a request leaves or joins, or one nears its last tokens,
+the policy repeats its choice without working it out again: the same choice, exactly.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 from collections import Counter, defaultdict, deque
 from collections.abc import Sequence
 from functools import partial
 
 Key = tuple[int, int]  # (bucket, depth)
+Hold = tuple[object, float, float]  # a choice's inputs, the tokens wanted that no cap reaches, its last step
+NO_HOLD: Hold = (None, math.inf, -math.inf)
 UNTIMED_CALLS = 2  # a key's first calls, never counted in its cost
 PSEUDO_STEPS = 16  # the pooled history's weight, in steps, in a depth's own acceptance rates
 CALIBRATE_AFTER = 64  # calibration() is worked out again after a 64th more drafts were tested
@@ -112,6 +120,8 @@ class DepthPolicy:
         self.current = self.depths[-1]
         self._soonest = min(close_probe_every, probe_every)  # no depth is probed sooner
         self._timed: set[int] = set()  # buckets whose every key has a cost
+        self._changes = 0  # costs and catch-ups measured anew: the choice's inputs besides a batch's
+        self._hold: Hold = NO_HOLD  # the last choice's inputs, their cap and the step it holds to
         self._cost: dict[Key, float] = {}  # seconds at the bucket's speed 1
         self._speed: dict[int, float] = {}  # each bucket's time over its keys' costs, lately
         self._last: dict[int, int] = {}  # the depth of each bucket's last step
@@ -189,6 +199,7 @@ class DepthPolicy:
             self._speed[bucket] = speed + self.speed_alpha * (seconds / self._cost[key] - speed)
         else:
             self._cost[key] = self._median_of(self._samples[key], seconds / speed)
+            self._changes += 1
         self._measured_at[key] = self._steps[bucket]
 
     def record_catch_up(self, bucket: int, seconds: float) -> None:
@@ -197,6 +208,7 @@ class DepthPolicy:
         if self._catch_ups[bucket] > UNTIMED_CALLS:
             cost = seconds / self._speed.get(bucket, 1.0)
             self._catch_up[bucket] = self._median_of(self._catch_up_samples[bucket], cost)
+            self._changes += 1
 
     @staticmethod
     def _median_of(samples: deque[float], sample: float) -> float:
@@ -224,6 +236,14 @@ class DepthPolicy:
             if loading or untried:
                 return (loading or untried)[0]  # each key's first timing back to back, at one speed
             self._timed.add(bucket)  # a cost, once measured, is only ever replaced
+        # The choice rests on the requests' rates, the drafts tested, the costs and, through the cap,
+        # the tokens each still wants. A batch holding depth 0 moves none of them (its steps test no
+        # draft and, steady, time no cost), so until a probe falls due it repeats the choice.
+        inputs = (bucket, self._observed, self._changes, len(set(remaining)) == 1, [tuple(r) for r in rates])
+        held, uncapped, until = self._hold
+        if inputs == held and min(remaining) >= uncapped and self._steps[bucket] + 1 <= until:
+            self._steps[bucket] += 1
+            return self.current
         tokens = self.expected(rates, remaining)
         value = {k: tokens[k] / self._cost[bucket, k] for k in self.depths}
         best = max(value, key=value.__getitem__)
@@ -231,20 +251,30 @@ class DepthPolicy:
         if value[best] > value[self.current] * (1 + margin):
             self.current = best
         self._steps[bucket] += 1
-
-        def due(k: int) -> bool:
-            since = self._steps[bucket] - self._measured_at[bucket, k]
-            if since <= self._soonest:
-                return False  # the shortest wait below, known without working out which applies
-            # A probe to or from depth 0 runs a catch-up: it costs more than a near tie's step
-            near = value[k] * (1 + self.close) >= value[self.current] and 0 not in (k, self.current)
-            every = self.close_probe_every if near else self._far_every(bucket, k, value, remaining)
-            if tokens[k] / self._samples[bucket, k][-1] > value[self.current]:
-                every = min(every, self.close_probe_every)  # its last timing alone would win
-            return since > every
-
-        probes = [k for k in self.depths if k != self.current and due(k)]
+        due = {
+            k: self._due_after(bucket, k, tokens, value, remaining) for k in self.depths if k != self.current
+        }
+        probes = [k for k, after in due.items() if self._steps[bucket] > after]
+        # A request that wants this many tokens or more counts its expected tokens uncapped.
+        uncapped = (self.depths[-1] + 1) * max(self.calibration().values())
+        held_for = min(due.values(), default=math.inf)
+        self._hold = (inputs, uncapped, held_for) if not probes and min(remaining) >= uncapped else NO_HOLD
         return max(probes, key=value.__getitem__, default=self.current)
+
+    def _due_after(
+        self, bucket: int, k: int, tokens: dict[int, float], value: dict[int, float], remaining: Sequence[int]
+    ) -> float:
+        """The bucket's step after which a probe of depth k is due (at the shortest wait when that
+        has not passed yet, without working out which wait applies)."""
+        measured = self._measured_at[bucket, k]
+        if self._steps[bucket] - measured <= self._soonest:
+            return measured + self._soonest
+        # A probe to or from depth 0 runs a catch-up: it costs more than a near tie's step
+        near = value[k] * (1 + self.close) >= value[self.current] and 0 not in (k, self.current)
+        every = self.close_probe_every if near else self._far_every(bucket, k, value, remaining)
+        if tokens[k] / self._samples[bucket, k][-1] > value[self.current]:
+            every = min(every, self.close_probe_every)  # its last timing alone would win
+        return measured + every
 
     def _far_every(self, bucket: int, k: int, value: dict[int, float], remaining: Sequence[int]) -> float:
         """Steps between probes of depth k, far behind the current depth or on the other side of

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from compiled_mtp.depth_policy import CALIBRATE_AFTER, DepthPolicy, expected_tokens
+from compiled_mtp.depth_policy import CALIBRATE_AFTER, NO_HOLD, DepthPolicy, expected_tokens
 
 rates_st = st.lists(st.floats(0, 1), min_size=4, max_size=4)
 
@@ -313,3 +313,73 @@ def test_a_depth_whose_last_timing_would_win_is_probed_again_soon(true_cost, spa
         assert policy.current == 1 and chosen[232 + spacing : 300] == [1] * (300 - 232 - spacing)
     else:
         assert policy.current == 0 and len(probes) == 2
+
+
+def _serve_both(
+    seed: int, batch: int, rates: list[float], costs: dict[int, float], steps: int
+) -> tuple[list, int]:
+    """A policy serving batches of requests (seeded acceptance, step times off their cost by up to
+    30%, a catch-up before a step at K > 0 after depth 0, requests of 20-120 tokens replaced as they
+    finish) beside a twin that works out every choice afresh. Returns each step's pair of choices
+    and how many of the policy's choices repeated a held one."""
+    policy, fresh = DepthPolicy((0, 1, 2, 3)), DepthPolicy((0, 1, 2, 3))
+    random = np.random.default_rng(seed)
+    requests: list[list] = []  # [wanted, policy's rates, twin's rates]
+    pairs, held, last = [], 0, None
+    for _ in range(steps):
+        while len(requests) < batch:
+            wanted = int(random.integers(20, 120))
+            requests.append([wanted, policy.prior(), fresh.prior()])
+        bucket = 1 if len(requests) == 1 else batch
+        remaining = [r[0] for r in requests]
+        evaluated = policy._hold
+        fresh._hold = NO_HOLD
+        k = policy.choose(bucket, [r[1] for r in requests], remaining)
+        held += policy._hold is evaluated and evaluated is not NO_HOLD
+        pairs.append((k, fresh.choose(bucket, [r[2] for r in requests], remaining)))
+        if k and last == 0:
+            seconds = float(random.uniform(0.5, 1.5))
+            policy.record_catch_up(bucket, seconds)
+            fresh.record_catch_up(bucket, seconds)
+        seconds = costs[k] * float(random.uniform(0.7, 1.3))
+        for r in requests:
+            accepted = next((j for j in range(k) if random.random() >= rates[j]), k)
+            policy.observe(r[1], k, accepted)
+            fresh.observe(r[2], k, accepted)
+            r[0] -= min(r[0], accepted + 1)
+        policy.record_cost(bucket, k, seconds)
+        fresh.record_cost(bucket, k, seconds)
+        requests = [r for r in requests if r[0] > 0 and random.random() > 0.01]  # some stop early
+        last = k
+    return pairs, held
+
+
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    batch=st.sampled_from([1, 4, 8]),
+    rates=st.lists(st.floats(0, 1), min_size=3, max_size=3),
+    zero_cost=st.floats(0.2, 2.0),
+)
+def test_a_held_choice_is_the_one_worked_out_afresh(seed, batch, rates, zero_cost):
+    """Repeating the last choice while its inputs stand (a batch at depth 0, no probe due) chooses
+    exactly what working every choice out afresh does, step for step."""
+    costs = {0: zero_cost, 1: 1.4, 2: 1.8, 3: 2.2}
+    pairs, _ = _serve_both(seed, batch, rates, costs, 300)
+    assert [a for a, _ in pairs] == [b for _, b in pairs]
+
+
+@pytest.mark.parametrize("batch", [1, 4, 8])
+def test_a_held_choice_is_the_one_worked_out_afresh_in_near_ties(batch):
+    """Depth 0 and depth 1 near a tie, as at B=4 on the shipped model: the noisy timings move the
+    choice back and forth, and each new cost or catch-up timing must end a hold."""
+    for seed in range(20):
+        pairs, _ = _serve_both(seed, batch, [0.8, 0.6, 0.5], {0: 1.0, 1: 1.8, 2: 2.3, 3: 2.7}, 300)
+        assert [a for a, _ in pairs] == [b for _, b in pairs], f"seed {seed}"
+
+
+def test_a_batch_holding_depth_0_works_its_choice_out_only_when_a_probe_falls_due():
+    """K=0 wins by far (a large batch): more than half the steps repeat the held choice; the rest
+    come after a request left or joined, near a request's last tokens, or with a probe due."""
+    pairs, held = _serve_both(1, 8, [0.6, 0.5, 0.4], {0: 1.0, 1: 2.0, 2: 3.0, 3: 4.0}, 400)
+    assert [a for a, _ in pairs] == [b for _, b in pairs]
+    assert sum(a == 0 for a, _ in pairs) > 380 and held > 200

@@ -53,8 +53,9 @@ step times and the held-out text's own acceptance (benchmarks/README.md).
 
 Working a choice out takes tens of microseconds of Python at a large batch, about 2% of its step.
 A batch holding depth 0 moves none of the choice's inputs (its steps test no draft and, steady, time
-no cost anew), so until a probe falls due, a request leaves or joins, or one nears its last tokens,
-the policy repeats its choice without working it out again: the same choice, exactly.
+no cost anew), so until a probe falls due, a request leaves or joins, one nears its last tokens, or a
+cost or catch-up is timed anew, the policy repeats its choice without working it out again: the same
+choice, exactly.
 """
 
 from __future__ import annotations
@@ -237,8 +238,7 @@ class DepthPolicy:
                 return (loading or untried)[0]  # each key's first timing back to back, at one speed
             self._timed.add(bucket)  # a cost, once measured, is only ever replaced
         # The choice rests on the requests' rates, the drafts tested, the costs and, through the cap,
-        # the tokens each still wants. A batch holding depth 0 moves none of them (its steps test no
-        # draft and, steady, time no cost), so until a probe falls due it repeats the choice.
+        # the tokens each still wants (the module's docstring: a batch holding depth 0 moves none).
         inputs = (bucket, self._observed, self._changes, len(set(remaining)) == 1, [tuple(r) for r in rates])
         held, uncapped, until = self._hold
         if inputs == held and min(remaining) >= uncapped and self._steps[bucket] + 1 <= until:
@@ -257,8 +257,8 @@ class DepthPolicy:
         probes = [k for k, after in due.items() if self._steps[bucket] > after]
         # A request that wants this many tokens or more counts its expected tokens uncapped.
         uncapped = (self.depths[-1] + 1) * max(self.calibration().values())
-        held_for = min(due.values(), default=math.inf)
-        self._hold = (inputs, uncapped, held_for) if not probes and min(remaining) >= uncapped else NO_HOLD
+        until = min(due.values(), default=math.inf)
+        self._hold = (inputs, uncapped, until) if not probes and min(remaining) >= uncapped else NO_HOLD
         return max(probes, key=value.__getitem__, default=self.current)
 
     def _due_after(

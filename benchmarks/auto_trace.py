@@ -3,12 +3,12 @@
 The bench's systems (one runtime per depth and one at "auto" over them, the shipped model drafting
 among its 1024 most frequent tokens) generate the bench's first `--timed-prompts` held-out prompts,
 B at a time: each warmed up with a round at B=1 and one at B (as the bench warms them), then
-`--rounds` rounds in turns. For every decode step of auto's bucket after its first timings, a line: the depth run, the
-depth the policy holds, the batch's expected tokens at each depth (calibrated), each depth's cost at
-the policy's reference speed (ms), their values and the step's own wall time. Then each runtime's
-conditional acceptance per draft position, from the steps it ran, and the whole generations' times.
-With `--switch HELD PROBE`, auto's runtime then runs a fixed schedule of depths, and its step times
-are summed up by their place after a change of depth.
+`--rounds` rounds in turns. For every decode step of auto's bucket after its first timings, a line:
+the depth run, the depth the policy holds, the batch's expected tokens at each depth (calibrated),
+each depth's cost at the policy's reference speed (ms), their values and the step's own wall time.
+Then each runtime's conditional acceptance per draft position, from the steps it ran, and the whole
+generations' times. With `--switch HELD PROBE`, auto's runtime then runs a fixed schedule of depths,
+and its step times are summed up by their place after a change of depth.
 
     python benchmarks/auto_trace.py [--batch 4] [--rounds 3] [--timed-prompts 8] [--cache-dir DIR] [--switch 3 1]
 """

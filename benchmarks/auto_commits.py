@@ -25,6 +25,7 @@ from auto_trace import BenchSystems, warm_up
 
 from compiled_mtp.bench import timed_generate, turns
 from compiled_mtp.depth_policy import DepthPolicy
+from compiled_mtp.runtime import Runtime
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,6 +41,16 @@ def policy_at(rev: str) -> type[DepthPolicy]:
     return module.DepthPolicy
 
 
+def autos_at(systems: BenchSystems, revs: list[str]) -> dict[str, Runtime]:
+    """A runtime at "auto" with each REV's policy, by the name the scripts print."""
+    out = {}
+    for rev in revs:
+        rt = systems.runtimes()["auto"]
+        rt._policy = policy_at(rev)(rt._policy.depths)
+        out[f"auto at {rev}"] = rt
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("revs", nargs="*", help="commits whose policy runs beside this checkout's")
@@ -51,11 +62,7 @@ def main() -> None:
     parser.add_argument("--cache-dir", default=None, help="capture cache (default: the user's)")
     args = parser.parse_args()
     systems = BenchSystems(args.batch, args.timed_prompts, args.cache_dir)
-    runtimes = systems.runtimes()
-    for rev in args.revs:
-        rt = systems.runtimes()["auto"]
-        rt._policy = policy_at(rev)(rt._policy.depths)
-        runtimes[f"auto at {rev}"] = rt
+    runtimes = {**systems.runtimes(), **autos_at(systems, args.revs)}
     groups, params = systems.groups, systems.params
     for rt in runtimes.values():
         warm_up(rt, groups, params)

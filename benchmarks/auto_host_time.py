@@ -16,7 +16,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
-from auto_commits import policy_at
+from auto_commits import autos_at
 from auto_trace import BenchSystems, warm_up
 
 from compiled_mtp.bench import timed_generate, turns
@@ -49,10 +49,7 @@ def main() -> None:
     args = parser.parse_args()
     systems = BenchSystems(args.batch, 8, args.cache_dir)
     runtimes = {k: rt for k, rt in systems.runtimes().items() if k in (args.depth, "auto")}
-    for rev in args.revs:
-        rt = systems.runtimes()["auto"]
-        rt._policy = policy_at(rev)(rt._policy.depths)
-        runtimes[f"auto at {rev}"] = rt
+    runtimes.update(autos_at(systems, args.revs))
     groups, params = systems.groups, systems.params
     calls: dict[int | str, Counter[str]] = {}
     for k, rt in runtimes.items():

@@ -68,8 +68,10 @@ from collections.abc import Sequence
 from functools import partial
 
 Key = tuple[int, int]  # (bucket, depth)
-Hold = tuple[object, float, float]  # a choice's inputs, the tokens wanted that no cap reaches, its last step
-NO_HOLD: Hold = (None, math.inf, -math.inf)
+# A choice's inputs besides the rates, the requests' rates, the tokens wanted that no cap reaches, and
+# the last step it holds to.
+Hold = tuple[object, list[tuple[float, ...]], float, float]
+NO_HOLD: Hold = (None, [], math.inf, -math.inf)
 UNTIMED_CALLS = 2  # a key's first calls, never counted in its cost
 PSEUDO_STEPS = 16  # the pooled history's weight, in steps, in a depth's own acceptance rates
 CALIBRATE_AFTER = 64  # calibration() is worked out again after a 64th more drafts were tested
@@ -239,9 +241,15 @@ class DepthPolicy:
             self._timed.add(bucket)  # a cost, once measured, is only ever replaced
         # The choice rests on the requests' rates, the drafts tested, the costs and, through the cap,
         # the tokens each still wants (the module's docstring: a batch holding depth 0 moves none).
-        inputs = (bucket, self._observed, self._changes, len(set(remaining)) == 1, [tuple(r) for r in rates])
-        held, uncapped, until = self._hold
-        if inputs == held and min(remaining) >= uncapped and self._steps[bucket] + 1 <= until:
+        inputs = (bucket, self._observed, self._changes, len(set(remaining)) == 1)
+        held, held_rates, uncapped, until = self._hold
+        # The rates are compared last: at K > 0 every step tests drafts, so `inputs` differ already.
+        if (
+            inputs == held
+            and self._steps[bucket] + 1 <= until
+            and min(remaining) >= uncapped
+            and [tuple(r) for r in rates] == held_rates
+        ):
             self._steps[bucket] += 1
             return self.current
         tokens = self.expected(rates, remaining)
@@ -258,7 +266,8 @@ class DepthPolicy:
         # A request that wants this many tokens or more counts its expected tokens uncapped.
         uncapped = (self.depths[-1] + 1) * max(self.calibration().values())
         until = min(due.values(), default=math.inf)
-        self._hold = (inputs, uncapped, until) if not probes and min(remaining) >= uncapped else NO_HOLD
+        holds = not probes and min(remaining) >= uncapped
+        self._hold = (inputs, [tuple(r) for r in rates], uncapped, until) if holds else NO_HOLD
         return max(probes, key=value.__getitem__, default=self.current)
 
     def _due_after(

@@ -418,10 +418,12 @@ class Runtime:
         slots = self._tensor([r.slot for r in reqs] + [self.state.scratch_slot] * pad)
         lens = self._tensor([r.seq_len for r in reqs] + [1] * pad)
         window = self.state.lag_window
-        if plan.catch_up and any(r.lag and (k > 0 or r.lag >= window) for r in reqs):
+        if plan.catch_up and any(r.lag for r in reqs):
             began = time.perf_counter()
             self._catch_up(plan.catch_up, reqs, slots, lens)
             self._policy.record_catch_up(bucket, time.perf_counter() - began)
+        elif plan.fill and any(r.lag >= window for r in reqs):
+            self._catch_up(plan.fill, reqs, slots, lens)
         start = time.perf_counter()
         noise = self._noise(reqs, bucket, plan.uniforms)  # drawn at once; each graph takes its columns
         decode_cols, verify_cols, extend_cols = plan.columns
@@ -442,7 +444,8 @@ class Runtime:
         return outputs
 
     def _catch_up(self, key: GraphKey, reqs: list[_Request], slots: torch.Tensor, lens: torch.Tensor) -> None:
-        """M over the positions depth-0 steps left it behind on, and fresh d_1 drafts."""
+        """M over the positions depth-0 steps left it behind on: with fresh d_1 drafts (mtp_catch_up), or
+        its cache entries alone (mtp_fill)."""
         window, bucket = self.state.lag_window, key.batch
         tokens = []
         for r in reqs:
@@ -450,14 +453,10 @@ class Runtime:
             tokens.append([0] * (window - len(tail)) + tail)
         tokens += [[0] * window] * (bucket - len(reqs))
         lags = self._tensor([r.lag for r in reqs] + [0] * (bucket - len(reqs)))
-        self.graphs(
-            key,
-            slots,
-            lens,
-            lags,
-            self._tensor(itertools.chain.from_iterable(tokens)).view(bucket, window),
-            self._noise(reqs, bucket, key.uniforms),
-        )
+        inputs = [slots, lens, lags, self._tensor(itertools.chain.from_iterable(tokens)).view(bucket, window)]
+        if key.uniforms:
+            inputs.append(self._noise(reqs, bucket, key.uniforms))
+        self.graphs(key, *inputs)
         for r in reqs:
             r.lag = 0
 

@@ -15,6 +15,7 @@ import torch
 from torch._inductor.graph import GraphLowering
 
 from compiled_mtp import Runtime, SamplingParams
+from compiled_mtp.graphs import plan, state
 from compiled_mtp.graphs.plan import GraphKey, GraphKind
 from compiled_mtp.models.checkpoint import load_model
 from compiled_mtp.passes import narrow_linear, packed_linear
@@ -131,7 +132,8 @@ def test_step_tensor_unlike_the_traced_one_fails_loudly(noisy_echo, change):
 def test_inductor_graphs_equal_the_reference(tmp_path, monkeypatch):
     """Real Inductor code with every custom pass, for every kind at K = 2 and 0, buckets 1 and 2 (a
     2-layer model keeps compile short), drafting from half the vocabulary (draft_vocab): greedy output
-    equals the reference, also when M catches up after depth-0 steps, sampled output the eager
+    equals the reference, also when M's cache is filled during depth-0 steps and M catches up after
+    them, sampled output the eager
     steps, and no graph copies a cache.
     Linears on 2-4 rows go through the few-row kernel, those on 1 row become Inductor's
     multiply-and-sum (narrow_linear), those on 5-16 rows (the verify at B=2) the panel kernel and
@@ -139,6 +141,8 @@ def test_inductor_graphs_equal_the_reference(tmp_path, monkeypatch):
     sizes where those pay; attention goes through live_attention."""
     monkeypatch.setattr(packed_linear, "MIN_WEIGHT", 0)
     monkeypatch.setattr(narrow_linear, "KERNEL_WEIGHT", 0)
+    for module in (plan, state):  # the third of three depth-0 steps fills M's cache first
+        monkeypatch.setattr(module, "LAG_WINDOW", 2)
     model = load_model(write_echo_checkpoint(tmp_path, mtp_noise=0.3, attn_scale=0.5, seed=4, num_layers=2))
     model.restrict_drafts(torch.arange(0, 97, 2))
     rt = Runtime(
@@ -163,6 +167,7 @@ def test_inductor_graphs_equal_the_reference(tmp_path, monkeypatch):
             for out in rt.step():
                 got[out.request_id] += out.new_token_ids
         assert list(got.values()) == _expected(model, prompts)
+    assert rt.graphs.replays[GraphKey(GraphKind.mtp_fill, 2, 0)] >= 1
     assert rt.graphs.replays[GraphKey(GraphKind.mtp_catch_up, 2, 0)] >= 1
     _assert_state_written_in_place(rt, codes)
     sampled = [
@@ -195,7 +200,8 @@ def _assert_state_written_in_place(rt: Runtime, codes: list[str]) -> None:
         for cache in (rt.state.target_cache, rt.state.mtp_cache)
         for size in (cache.numel(), cache[0].numel())
     }
-    # Every kind ran: prefill, draft_decode, target_verify and draft_extend at K=2, target_verify at K=0, mtp_catch_up.
+    # Every kind ran: prefill, draft_decode, target_verify and draft_extend at K=2, target_verify at K=0,
+    # mtp_fill, mtp_catch_up.
     assert {key.kind for key in rt.graphs.replays} == set(GraphKind)
     assert len(codes) == len(rt.graphs.replays)  # every graph's code, compiled or loaded
     for code in codes:

@@ -474,7 +474,7 @@ def _run_schedule(model, depth_at, joins: dict[int, int], prompts, max_new=40):
 
 @pytest.mark.parametrize("model_name", ["tiny", "noisy_echo"])
 def test_draft_state_stays_current_through_depth_zero(model_name, request):
-    """A stretch of depth-0 steps (longer than the lag window, so M catches up once inside it) with a
+    """A stretch of depth-0 steps (longer than the lag window, so M's cache is filled once inside it) with a
     request joining in the middle and one joining at the switch back: afterwards M's cache, and so
     the drafts and their acceptance, are those of a run that never left K = 1."""
     model = request.getfixturevalue(model_name)
@@ -492,7 +492,8 @@ def test_draft_state_stays_current_through_depth_zero(model_name, request):
     }
     for i in joins:
         torch.testing.assert_close(switched[2][i], never_left[2][i], atol=1e-5, rtol=1e-5)
-    assert switched[3].stats()["graph_replays"]["mtp_catch_up/B2/K0"] >= 1
+    kinds = {key.kind.name for key in switched[3].graphs.replays}
+    assert {"mtp_fill", "mtp_catch_up"} <= kinds
 
 
 def test_auto_depth_is_greedy_exact_and_tries_every_depth(noisy_echo):

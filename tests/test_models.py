@@ -1,5 +1,6 @@
 """The static-shape DeepSeek-V3 model against HF transformers, on hypothesis-drawn tiny configs, and the
-MTP layer's one-row-per-request forward against its whole-block forward (DeepSeek-V3 and GLM-4 MoE)."""
+MTP layer's one-row-per-request forward and its cache entries alone against its whole-block forward
+(DeepSeek-V3, GLM-4 MoE and DeepSeek-V4)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from tests.checkpoints import randomize_, write_checkpoint
 from tests.glm_factory import glm_config_strategy
 from tests.oracle import hf_logits, hf_mtp_draft_logits
 from tests.strategies import FULL_FEATURED_CONFIGS, config_strategy
+from tests.v4_factory import v4_config_strategy
 
 # fp32 on tiny models: both sides differ only in summation order (absorbed vs expanded MLA,
 # gathered vs looped experts); observed differences are ~1e-6.
@@ -85,10 +87,10 @@ def test_moe_gathered_and_masked_experts_agree(tiny_checkpoint):
 
 @st.composite
 def mtp_blocks(draw: st.DrawFn) -> dict:
-    """A tiny DeepSeek-V3 or GLM-4 MoE config and an MTP block on it: B requests of T rows in
-    distinct slots at drawn positions, some rows writing only the scratch slot (as a prefill chunk's
+    """A tiny DeepSeek-V3, GLM-4 MoE or DeepSeek-V4 config and an MTP block on it: B requests of T rows
+    in distinct slots at drawn positions, some rows writing only the scratch slot (as a prefill chunk's
     padding or a catch-up's rows that are not behind do), and one drawn row per request."""
-    config = draw(st.one_of(config_strategy(), glm_config_strategy()))
+    config = draw(st.one_of(config_strategy(), glm_config_strategy(), v4_config_strategy()))
     batch, length = draw(st.integers(1, 3)), draw(st.integers(1, 6))
     return dict(
         config=config,
@@ -105,7 +107,8 @@ def mtp_blocks(draw: st.DrawFn) -> dict:
 @torch.no_grad()
 def test_mtp_rows_equal_the_whole_block_and_write_the_same_cache(block):
     """forward_mtp with rows: every row's cache entry, bit for bit as forward_mtp writes it, and the drawn
-    rows' hiddens as forward_mtp's (fp32: the one-row products may sum in another order)."""
+    rows' hiddens as forward_mtp's (fp32: the one-row products may sum in another order).
+    write_mtp_entries: the same cache entries, bit for bit."""
     raw = block["config"].to_dict()
     family = family_of(raw)
     model = family.model(family.config.from_dict(raw)).eval()
@@ -121,11 +124,13 @@ def test_mtp_rows_equal_the_whole_block_and_write_the_same_cache(block):
     rows = torch.tensor(block["rows"])
     # Earlier positions hold entries already, so the rows attend over more than their own block.
     cache = torch.randn(model.num_mtp_layers, batch + 1, capacity, model.cache_layout.width, generator=gen)
-    whole_cache, rows_cache = cache.clone(), cache.clone()
+    whole_cache, rows_cache, entries_cache = cache.clone(), cache.clone(), cache.clone()
     whole = model.forward_mtp(0, tokens, hidden, positions, write, slots, whole_cache)
     got = model.forward_mtp(0, tokens, hidden, positions, write, slots, rows_cache, rows)
     torch.testing.assert_close(got, gather_rows(whole, rows), atol=ATOL, rtol=RTOL)
     assert torch.equal(rows_cache, whole_cache)
+    model.write_mtp_entries(0, tokens, hidden, positions, write, slots, entries_cache)
+    assert torch.equal(entries_cache, whole_cache) and not torch.equal(entries_cache, cache)
 
 
 def test_a_context_at_rows_keeps_every_field_and_gathers_the_rows(tiny_checkpoint):

@@ -13,13 +13,15 @@ from hypothesis import strategies as st
 
 from compiled_mtp import Runtime, SamplingParams
 from compiled_mtp.capture.compiler import CompiledGraphs
+from compiled_mtp.graphs import plan as plan_module
+from compiled_mtp.graphs import state as state_module
 from compiled_mtp.graphs.plan import PREFILL, GraphKey, example_inputs, graph_keys, step_plan
 from compiled_mtp.models.checkpoint import load_model
 
 CHUNK = 8
 PARAMS = SamplingParams(
     max_new_tokens=16, ignore_eos=True
-)  # outlives a prefill and a step at each depth: 1 + 1 + 2 + 3 + 4 tokens at most
+)  # outlives a prefill, two steps at depth 0 and one at each other: 1 + 2 + 2 + 3 + 4 tokens at most
 
 
 @pytest.fixture(scope="module")
@@ -51,11 +53,18 @@ def _check_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
     seed=st.integers(0, 2**16),
 )
 def test_runtime_runs_the_plan_and_graph_keys_lists_it(echo, buckets, depths, seed):
-    """Each bucket, full, takes one step at each depth in increasing order (so a step at K > 0 follows
-    a depth-0 one where there is one, and M catches up then): each step replays its plan's graphs
-    once, the catch-up exactly there, and the run replays every key of graph_keys and no other."""
+    """Each bucket, full, takes one step at each depth in increasing order, two at depth 0 (so a step at
+    K > 0 follows a depth-0 one where there is one, and M catches up then; with a lag window of one
+    step, M's cache is filled before the second depth-0 step): each step replays its plan's graphs
+    once, the catch-up and the fill exactly there, and the run replays every key of graph_keys and no
+    other."""
     with pytest.MonkeyPatch.context() as monkeypatch:
         _check_inputs(monkeypatch)
+        for module in (
+            state_module,
+            plan_module,
+        ):  # M may lag one depth-0 step behind, so two in a row fill its cache
+            monkeypatch.setattr(module, "LAG_WINDOW", 1)
         _run_plan(echo, buckets, depths, seed)
 
 
@@ -76,15 +85,18 @@ def _run_plan(model, buckets: list[int], depths: list[int], seed: int) -> None:
             for _ in range(b)
         ]
         expected = Counter({PREFILL: b})  # the first step admits them
-        previous = None
+        lagging = False  # M lags: a depth-0 step ran since it last caught up
         for k in depths:
             rt.mtp_depth = k
             plan = step_plan(b, k, tuple(depths))
-            expected += Counter(key for key in plan.keys if key != plan.catch_up or previous == 0)
-            before = Counter(rt.graphs.replays)
-            rt.step()
-            assert Counter(rt.graphs.replays) - before == expected, (b, k)
-            expected, previous = Counter(), k
+            for _ in range(2 if plan.fill else 1):  # the window is one step: the second fills M's cache
+                expected += Counter(
+                    key for key in plan.keys if lagging or key not in (plan.catch_up, plan.fill)
+                )
+                before = Counter(rt.graphs.replays)
+                rt.step()
+                assert Counter(rt.graphs.replays) - before == expected, (b, k)
+                expected, lagging = Counter(), k == 0
         for i in ids:
             rt.abort(i)
     assert set(rt.graphs.replays) == set(graph_keys(buckets, depths))

@@ -31,6 +31,7 @@ class GraphKind(Enum):
     target_verify = member(steps.target_verify)
     draft_extend = member(steps.draft_extend)
     mtp_catch_up = member(steps.mtp_catch_up)
+    mtp_fill = member(steps.mtp_fill)
 
     @property
     def step(self) -> Callable[..., Any]:
@@ -60,6 +61,7 @@ class GraphKey(NamedTuple):
             GraphKind.target_verify: self.depth + 1,  # K accept tests, then the bonus or correction token
             GraphKind.draft_extend: 1,  # the next d_1
             GraphKind.mtp_catch_up: 1,  # a fresh d_1
+            GraphKind.mtp_fill: 0,
         }[self.kind]
 
 
@@ -70,10 +72,12 @@ PREFILL = GraphKey(GraphKind.prefill, 1, 0)
 @dataclass(frozen=True)
 class StepPlan:
     """The graphs of one decode step of a bucket at depth K, in the order they run; None where the
-    depth runs none of that kind. `catch_up` runs first, and only when some request's MTP layer lags
-    behind (depth-0 steps skip it): before a step at K > 0, or once the lag fills the window."""
+    depth runs none of that kind. `catch_up` (K > 0) or `fill` (K = 0) runs first, and only when some
+    request's MTP layer lags behind (depth-0 steps skip it): before a step at K > 0, or, writing M's
+    cache alone, once the lag fills the window."""
 
     catch_up: GraphKey | None
+    fill: GraphKey | None
     draft_decode: GraphKey | None
     target_verify: GraphKey
     draft_extend: GraphKey | None
@@ -82,7 +86,9 @@ class StepPlan:
     def keys(self) -> tuple[GraphKey, ...]:
         """The graphs the step may run, in order."""
         return tuple(
-            key for key in (self.catch_up, self.draft_decode, self.target_verify, self.draft_extend) if key
+            key
+            for key in (self.catch_up, self.fill, self.draft_decode, self.target_verify, self.draft_extend)
+            if key
         )
 
     @functools.cached_property
@@ -105,7 +111,9 @@ def step_plan(batch: int, depth: int, depths: tuple[int, ...]) -> StepPlan:
     """The plan of a decode step of `batch` (a bucket) at `depth`, on a runtime with these depths:
     draft_decode drafts d_2..d_K (K >= 2), target_verify checks d_1..d_K, draft_extend drafts the
     next d_1 (K >= 1). A depth-0 step is target_verify alone; on a runtime that also speculates,
-    mtp_catch_up (one graph per bucket, keyed K = 0) later runs M over the positions it skipped."""
+    mtp_catch_up later runs M over the positions it skipped and drafts d_1 before a step at K > 0, and
+    mtp_fill writes M's cache there when the batch stays at depth 0 (each one graph per bucket, keyed
+    K = 0)."""
 
     def key(kind: GraphKind, runs: bool = True) -> GraphKey | None:
         return GraphKey(kind, batch, depth) if runs else None
@@ -113,7 +121,8 @@ def step_plan(batch: int, depth: int, depths: tuple[int, ...]) -> StepPlan:
     mixed = 0 in depths and max(depths) > 0
     return StepPlan(
         # Its shapes do not depend on the step's depth: one graph per bucket serves them all.
-        catch_up=GraphKey(GraphKind.mtp_catch_up, batch, 0) if mixed else None,
+        catch_up=GraphKey(GraphKind.mtp_catch_up, batch, 0) if mixed and depth > 0 else None,
+        fill=GraphKey(GraphKind.mtp_fill, batch, 0) if mixed and depth == 0 else None,
         draft_decode=key(GraphKind.draft_decode, depth >= 2),
         target_verify=GraphKey(GraphKind.target_verify, batch, depth),
         draft_extend=key(GraphKind.draft_extend, depth >= 1),
@@ -146,4 +155,6 @@ def example_inputs(key: GraphKey, model: CausalLM, prefill_chunk: int) -> tuple[
         return slots, lens, ids(b), ids(b, k + 1), hidden, noise
     if kind is GraphKind.mtp_catch_up:  # lags, the committed tokens of the window
         return slots, lens, ids(b), ids(b, LAG_WINDOW), noise
+    if kind is GraphKind.mtp_fill:
+        return slots, lens, ids(b), ids(b, LAG_WINDOW)
     return slots, lens, noise  # draft_decode, target_verify

@@ -27,7 +27,7 @@ class StaticState(nn.Module):
     last_token: Tensor  # [slots + 1] the last committed token, not yet through the target
     drafts: Tensor  # [slots + 1, K] d_1..d_K of the coming verify
     draft_probs: Tensor  # [slots + 1, K, V] q_1..q_K the drafts were sampled from
-    mtp_hidden: Tensor  # [slots + 1, H] (H: model.hidden_width) M's hidden at the last position it ran
+    mtp_hidden: Tensor  # [slots + 1, H] (H: model.hidden_width) M's hidden where d_1 was last drafted from
     lag_hidden: Tensor  # [slots + 1, W, H] T's hiddens at depth-0 steps, by position % W (W = 0 without MTP)
     temperature: Tensor  # [slots + 1] per-request sampling parameters, set at admission
     top_k: Tensor

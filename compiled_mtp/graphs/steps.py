@@ -1,4 +1,5 @@
-"""The step functions the engine captures: prefill, draft_decode, target_verify, draft_extend.
+"""The step functions the engine captures: prefill, draft_decode, target_verify, draft_extend, and the
+MTP layer's catch-up after depth-0 steps (mtp_catch_up, mtp_fill).
 
 Each is a function of (model, static state, a few small step tensors) with shapes fixed by its key
 (kind, B, K). They follow compiled_mtp.reference exactly, batched: B requests, each in its own cache
@@ -108,7 +109,7 @@ def target_verify(
     positions, write = _rows(state, slots, block_positions(seq_lens - 1, k + 1))
     h = model.forward_target(tokens, positions, write, slots, state.target_cache)
     if k == 0 and state.lag_hidden.shape[1]:
-        # M skips depth-0 steps; mtp_catch_up runs it later over the hiddens kept here.
+        # M skips depth-0 steps; mtp_fill or mtp_catch_up runs it later over the hiddens kept here.
         state.lag_hidden[slots, (seq_lens - 1) % state.lag_hidden.shape[1]] = h[:, 0]
     accepted, committed = verify_sample(
         model.logits(h), *_params(state, slots), drafts, state.draft_probs[slots, :k], noise
@@ -135,6 +136,17 @@ def draft_extend(
     _draft_from(model, state, slots, m, noise[:, 0])
 
 
+def _lag_block(
+    state: StaticState, slots: Tensor, seq_lens: Tensor, lags: Tensor, w: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Positions, cache write rows and T's hiddens of the W positions before seq_len - 1, of which only each
+    request's last `lags` run (the other rows write nowhere)."""
+    positions = block_positions(seq_lens - 1 - w, w)
+    behind = positions >= (seq_lens - 1 - lags)[:, None]
+    positions, write = _rows(state, slots, positions.clamp(min=0), behind)
+    return positions, write, state.lag_hidden[slots[:, None], positions % w]
+
+
 def mtp_catch_up(
     model: CausalLM,
     state: StaticState,
@@ -150,11 +162,19 @@ def mtp_catch_up(
     committed token one past each position. A request with lag 0 keeps its hidden and redraws d_1
     from it. noise [B, 1]."""
     w = tokens.shape[1]
-    positions = block_positions(seq_lens - 1 - w, w)
-    behind = positions >= (seq_lens - 1 - lags)[:, None]
-    positions, write = _rows(state, slots, positions.clamp(min=0), behind)
-    hidden = state.lag_hidden[slots[:, None], positions % w]
+    positions, write, hidden = _lag_block(state, slots, seq_lens, lags, w)
     last_row = torch.full_like(lags, w - 1)
     m = model.forward_mtp(0, tokens, hidden, positions, write, slots, state.mtp_cache, last_row)
     last = torch.where((lags > 0)[:, None], m, state.mtp_hidden[slots])
     _draft_from(model, state, slots, last, noise[:, 0])
+
+
+def mtp_fill(
+    model: CausalLM, state: StaticState, slots: Tensor, seq_lens: Tensor, lags: Tensor, tokens: Tensor
+) -> None:
+    """mtp_catch_up's cache writes alone, for a batch that stays at depth 0 once a lag fills the window:
+    no draft is wanted, so of M's layer only what its cache entries need runs. M's hidden stays as it
+    was: the step that follows leaves every request lagging again, so a catch-up computes it afresh
+    before any draft."""
+    positions, write, hidden = _lag_block(state, slots, seq_lens, lags, tokens.shape[1])
+    model.write_mtp_entries(0, tokens, hidden, positions, write, slots, state.mtp_cache)

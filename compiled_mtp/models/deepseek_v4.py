@@ -441,16 +441,11 @@ class Attention(nn.Module):
         cfg = self.cfg
         b, t, _ = x.shape
         nh, hd = cfg.num_attention_heads, cfg.head_dim
-        cos, sin = (ctx.compress_cos, ctx.compress_sin) if self.rate else (ctx.cos, ctx.sin)
+        cos, sin = self._rope(ctx)
         q_residual = self.q_norm(self.wq_a(x))
         q = unit_rms(self.wq_b(q_residual).view(b, t, nh, hd), cfg.rms_norm_eps)
         q = rotate(q, cos[:, :, None], sin[:, :, None])
-        entry = rotate(self.norm(self.wkv(x)), cos, sin)
-        if self.compressor is not None:
-            entry = torch.cat([entry, self.compressor.project(x)], dim=-1)
-        if self.indexer is not None:
-            entry = torch.cat([entry, self.indexer.compressor.project(x)], dim=-1)
-        rows = ctx.store_and_read(layer, F.pad(entry, (0, ctx.layout.width - entry.shape[-1])))
+        rows = ctx.store_and_read(layer, self._entry(x, ctx))
         keys, visible = rows[..., :hd], ctx.window
         if self.compressor is not None:
             end = hd + self.compressor.width
@@ -469,6 +464,23 @@ class Attention(nn.Module):
         groups = out.reshape(b, t, cfg.o_groups, -1)
         w = self.wo_a.weight.view(cfg.o_groups, cfg.o_lora_rank, -1)
         return self.wo_b(torch.einsum("btgi,goi->btgo", groups, w).flatten(2))
+
+    def write_entries(self, x: Tensor, ctx: V4Context, layer: int) -> None:
+        """Every row's cache row, as forward writes it, and nothing past it (the rows read back go
+        unused, and a compiled graph drops the read)."""
+        ctx.store_and_read(layer, self._entry(x, ctx))
+
+    def _rope(self, ctx: V4Context) -> tuple[Tensor, Tensor]:
+        return (ctx.compress_cos, ctx.compress_sin) if self.rate else (ctx.cos, ctx.sin)
+
+    def _entry(self, x: Tensor, ctx: V4Context) -> Tensor:
+        """The rows' cache rows: the rotated key, then the compressors' projections, padded to the width."""
+        entry = rotate(self.norm(self.wkv(x)), *self._rope(ctx))
+        if self.compressor is not None:
+            entry = torch.cat([entry, self.compressor.project(x)], dim=-1)
+        if self.indexer is not None:
+            entry = torch.cat([entry, self.indexer.compressor.project(x)], dim=-1)
+        return F.pad(entry, (0, ctx.layout.width - entry.shape[-1]))
 
 
 def sink_attention(q: Tensor, kv: Tensor, visible: Tensor, sinks: Tensor, scale: float) -> Tensor:
@@ -632,10 +644,13 @@ class Block(nn.Module):
         self.hc_ffn_scale = nn.Parameter(torch.empty(3), requires_grad=False)
 
     def forward(self, x: Tensor, ctx: V4Context, layer: int) -> Tensor:
-        post, comb, h = hc_mix(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.cfg)
+        post, comb, h = self._attn_mix(x)
         x = _recombine(x, post, comb, self.attn(self.attn_norm(h), ctx, layer))
         post, comb, h = hc_mix(x, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, self.cfg)
         return _recombine(x, post, comb, self.ffn(self.ffn_norm(h), ctx.tokens))
+
+    def _attn_mix(self, x: Tensor) -> tuple[Tensor, ...]:
+        return hc_mix(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.cfg)
 
 
 def _recombine(x: Tensor, post: Tensor, comb: Tensor, out: Tensor) -> Tensor:
@@ -659,8 +674,15 @@ class MTPBlock(Block):
         self.hc_head_scale = nn.Parameter(torch.empty(1), requires_grad=False)
 
     def forward(self, embeds: Tensor, streams: Tensor, ctx: V4Context, layer: int) -> Tensor:  # type: ignore[override]
-        x = self.e_proj(self.enorm(embeds))[:, :, None] + self.h_proj(self.hnorm(streams))
-        return super().forward(x, ctx, layer)
+        return super().forward(self._input(embeds, streams), ctx, layer)
+
+    def write_entries(self, embeds: Tensor, streams: Tensor, ctx: V4Context, layer: int) -> None:
+        """Every row's cache row, as forward writes it, and nothing past it."""
+        h = self._attn_mix(self._input(embeds, streams))[2]
+        self.attn.write_entries(self.attn_norm(h), ctx, layer)
+
+    def _input(self, embeds: Tensor, streams: Tensor) -> Tensor:
+        return self.e_proj(self.enorm(embeds))[:, :, None] + self.h_proj(self.hnorm(streams))
 
     def collapse(self, streams: Tensor) -> Tensor:
         return self.norm(
@@ -777,6 +799,21 @@ class DeepseekV4(CausalLM):
         mtp = self.mtp_layer(layer)
         m = mtp(self.model.embed_tokens(tokens), self._streams(hidden), ctx, layer).flatten(2)
         return m if rows is None else gather_rows(m, rows)
+
+    def write_mtp_entries(
+        self,
+        layer: int,
+        tokens: Tensor,
+        hidden: Tensor,
+        positions: Tensor,
+        write_index: Tensor,
+        slots: Tensor,
+        cache: Tensor,
+    ) -> None:
+        ctx = self._context(tokens, positions, write_index, slots, cache)
+        self.mtp_layer(layer).write_entries(
+            self.model.embed_tokens(tokens), self._streams(hidden), ctx, layer
+        )
 
     def mtp_layer(self, layer: int) -> MTPBlock:
         mtp = self.mtp[layer]

@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 from torch import Tensor, nn
 
-from .layers import Context, Linear, Rope, RowCache
+from .layers import Context, Linear, MTPLayer, Rope, RowCache
 
 # Stacked routed experts (one [E, ...] parameter) come from per-expert checkpoint keys.
 STACKED_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(gate_proj|up_proj|down_proj)$")
@@ -200,6 +200,26 @@ class CausalLM(nn.Module):
         those rows alone."""
         ctx = self.context(positions, write_index, slots, cache)
         return self.mtp_layer(layer)(self.model.embed_tokens(tokens), hidden, ctx, layer, rows)
+
+    def write_mtp_entries(
+        self,
+        layer: int,
+        tokens: Tensor,
+        hidden: Tensor,
+        positions: Tensor,
+        write_index: Tensor,
+        slots: Tensor,
+        cache: Tensor,
+    ) -> None:
+        """The cache entries forward_mtp writes for the block, and nothing past them (no row's output):
+        what keeps M's cache current where no draft is wanted."""
+        mtp = self.mtp_layer(layer)
+        assert isinstance(
+            mtp, MTPLayer
+        )  # DeepSeek-V3's and GLM-4 MoE's; a family with its own overrides this
+        mtp.write_entries(
+            self.model.embed_tokens(tokens), hidden, self.context(positions, write_index, slots, cache), layer
+        )
 
     def mtp_layer(self, layer: int) -> nn.Module:
         """MTP layer `layer`'s module: for DeepSeek-V3 and GLM-4 MoE model.layers[num_hidden_layers + layer]."""

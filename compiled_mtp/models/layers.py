@@ -280,17 +280,29 @@ class MTPLayer(DecoderLayer):
     ) -> Tensor:
         """h' for every row of the [B, T] block, [B, T, H]; with `rows` ([B] long) for row rows[b] of
         each request only, [B, H], though every row still writes its cache entry."""
-        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
+        x = self._input(embeds, hidden)
         if rows is None:
             return self.shared_head.norm(super().forward(x, ctx, layer))
         return self.shared_head.norm(self._block_at(x, ctx, layer, rows))
+
+    def write_entries(self, embeds: Tensor, hidden: Tensor, ctx: Context, layer: int) -> None:
+        """Every row's cache entry, as forward writes it, and nothing past it (the slots' entries it
+        reads back go unused, and a compiled graph drops the read)."""
+        self._entries(self._input(embeds, hidden), ctx, layer)
+
+    def _input(self, embeds: Tensor, hidden: Tensor) -> Tensor:
+        return self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
+
+    def _entries(self, x: Tensor, ctx: Context, layer: int) -> tuple[Tensor, Tensor]:
+        """The block's normed input and, once every row's entry is written, its slots' entries."""
+        normed = self.input_layernorm(x)
+        return normed, ctx.store_and_read(layer, self.self_attn.entries(normed, ctx))
 
     def _block_at(self, x: Tensor, ctx: Context, layer: int, rows: Tensor) -> Tensor:
         """The block's output at rows[b] of each request, [B, H], after writing every row's cache
         entry. A catch-up or extend block uses one row of its 16 or K + 1 and a prefill chunk one of
         64, so the query, attention, MLP and norms run on that row alone."""
-        normed = self.input_layernorm(x)
-        kv = ctx.store_and_read(layer, self.self_attn.entries(normed, ctx))
+        normed, kv = self._entries(x, ctx, layer)
         x = gather_rows(x, rows)[:, None]
         x = x + self.self_attn.attend(gather_rows(normed, rows)[:, None], ctx.at(rows), kv)
         return (x + self.mlp(self.post_attention_layernorm(x)))[:, 0]

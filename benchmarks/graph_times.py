@@ -3,9 +3,11 @@
 Which graph of a step costs what (a catch-up, an extend, a verify), at the process's thread count.
 
 The runtime loads its graphs from a capture cache (built on the first run), generates once to warm
-up, then `--rounds` times; each graph's figure is its best round's median call.
+up, then `--rounds` times; each graph's figure is its best round's median call. With `--then K`, each
+generation switches to depth K halfway (`--depth 0 --then 1`: the MTP layer's fill during the
+depth-0 steps and its catch-up at the switch, in one process).
 
-    python benchmarks/graph_times.py [--depth 0] [--batch 4] [--cache-dir DIR] [--rounds 3]
+    python benchmarks/graph_times.py [--depth 0] [--then 1] [--batch 4] [--cache-dir DIR] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from compiled_mtp.depth_policy import depth_arg
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--depth", type=depth_arg, default=0, help="the runtime's mtp_depth (default: 0)")
+    parser.add_argument("--then", type=depth_arg, default=None, help="the depth after half the new tokens")
     parser.add_argument("--batch", type=int, default=4, help="prompts generated at once (default: 4)")
     parser.add_argument("--cache-dir", type=Path, default=None, help="capture cache (default: the user's)")
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens per prompt (default: 128)")
@@ -49,20 +52,37 @@ def main() -> None:
     CompiledGraphs.__call__ = timed  # type: ignore[method-assign]
     prompts = bench_prompts(Path(DEFAULT_MODEL), rt.model.cfg.vocab_size, args.batch, 64).token_ids
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
-    rt.generate(prompts, params)
+    generate(rt, prompts, params, args.then)
     best: dict[str, float] = {}
     counts: dict[str, int] = {}
     for _ in range(args.rounds):
         calls.clear()
-        rt.generate(prompts, params)
+        generate(rt, prompts, params, args.then)
         for name, seconds in calls.items():
             best[name] = min(best.get(name, float("inf")), 1e3 * statistics.median(seconds))
             counts[name] = len(seconds)
+    then = "" if args.then is None else f", then {args.then}"
     print(
-        f"depth {args.depth}, {args.batch} prompts x {args.new_tokens} new tokens; ms per call, best round's median"
+        f"depth {args.depth}{then}, {args.batch} prompts x {args.new_tokens} new tokens; ms per call, "
+        "best round's median"
     )
     for name in sorted(best):
         print(f"  {name:<24}{best[name]:8.3f}  ({counts[name]} calls a generation)")
+
+
+def generate(rt: Runtime, prompts: list[list[int]], params: SamplingParams, then: int | str | None) -> None:
+    """The prompts to completion, at the runtime's depth, or at `then` once half the new tokens' steps ran."""
+    if then is None:
+        rt.generate(prompts, params)
+        return
+    first, steps = rt.mtp_depth, 0
+    for prompt in prompts:
+        rt.add_request(prompt, params)
+    while rt.has_unfinished():
+        rt.mtp_depth = first if steps < params.max_new_tokens // 2 else then
+        rt.step()
+        steps += 1
+    rt.mtp_depth = first
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ class GraphKey(NamedTuple):
             GraphKind.target_verify: self.depth + 1,  # K accept tests, then the bonus or correction token
             GraphKind.draft_extend: 1,  # the next d_1
             GraphKind.mtp_catch_up: 1,  # a fresh d_1
-            GraphKind.mtp_fill: 0,
+            GraphKind.mtp_fill: 0,  # nothing is drafted
         }[self.kind]
 
 

@@ -214,12 +214,9 @@ class CausalLM(nn.Module):
         """The cache entries forward_mtp writes for the block, and nothing past them (no row's output):
         what keeps M's cache current where no draft is wanted."""
         mtp = self.mtp_layer(layer)
-        assert isinstance(
-            mtp, MTPLayer
-        )  # DeepSeek-V3's and GLM-4 MoE's; a family with its own overrides this
-        mtp.write_entries(
-            self.model.embed_tokens(tokens), hidden, self.context(positions, write_index, slots, cache), layer
-        )
+        assert isinstance(mtp, MTPLayer)  # a family with another MTP layer overrides this method
+        ctx = self.context(positions, write_index, slots, cache)
+        mtp.write_entries(self.model.embed_tokens(tokens), hidden, ctx, layer)
 
     def mtp_layer(self, layer: int) -> nn.Module:
         """MTP layer `layer`'s module: for DeepSeek-V3 and GLM-4 MoE model.layers[num_hidden_layers + layer]."""

@@ -10,10 +10,12 @@ import torch
 
 from compiled_mtp import Runtime, SamplingParams
 from compiled_mtp.capture.post_grad import post_grad_graphs
+from compiled_mtp.graphs import plan, state
 from compiled_mtp.graphs.plan import GraphKey, GraphKind, example_inputs
 from compiled_mtp.graphs.state import StaticState
 from compiled_mtp.models.checkpoint import load_model
 from compiled_mtp.passes import fuse_verify_sampling
+from compiled_mtp.passes.manager import REGISTRY
 from compiled_mtp.reference import reference_generate
 from tests.checkpoints import write_echo_checkpoint
 
@@ -32,21 +34,41 @@ def checkpoint(tmp_path_factory):
     return write_echo_checkpoint(tmp_path_factory.mktemp("cuda"), mtp_noise=0.3, attn_scale=0.5, seed=4)
 
 
-def test_cuda_graphs_equal_the_reference(checkpoint):
+def test_cuda_graphs_equal_the_reference(checkpoint, monkeypatch):
+    """Greedy output of CUDA-graph replays equals the reference, at depth 2 and through a depth schedule
+    that fills M's cache at depth 0 and catches it up after; sampled output equals the eager steps'."""
+    for module in (plan, state):  # the third of three depth-0 steps fills M's cache first
+        monkeypatch.setattr(module, "LAG_WINDOW", 2)
     model = load_model(checkpoint, device="cuda")
-    rt = Runtime(
-        model, mtp_depth=2, batch_sizes=(1, 2), max_seq_len=48, compile_backend="inductor", prefill_chunk=8
-    )
+    options = {
+        "mtp_depth": 2,
+        "mtp_depths": (0, 2),
+        "batch_sizes": (1, 2),
+        "max_seq_len": 48,
+        "prefill_chunk": 8,
+    }
+    rt = Runtime(model, compile_backend="inductor", **options)
     expected = [reference_generate(model, [p], 10, 0)[0].token_ids for p in PROMPTS]
     assert [o.token_ids for o in rt.generate(PROMPTS, GREEDY)] == expected
-    eager = Runtime(
-        model, mtp_depth=2, batch_sizes=(1, 2), max_seq_len=48, compile_backend="eager", prefill_chunk=8
-    )
+    assert _scheduled(rt, (0, 0, 0, 2, 2, 0)) == expected
+    eager = Runtime(model, compile_backend="eager", **options)
     assert [o.token_ids for o in rt.generate(PROMPTS, SAMPLED)] == [
         o.token_ids for o in eager.generate(PROMPTS, SAMPLED)
     ]
-    stats = rt.stats()
-    assert stats["compiles"] == 1 + 2 * 3  # a recompile would have raised (fail_on_recompile)
+    assert rt.graphs.replays[GraphKey(GraphKind.mtp_fill, 2, 0)] >= 1
+    assert rt.graphs.replays[GraphKey(GraphKind.mtp_catch_up, 2, 0)] >= 1
+    assert rt.stats()["compiles"] == len(rt.graphs.replays)  # one each; fail_on_recompile raises
+
+
+def _scheduled(rt: Runtime, depths: tuple[int, ...]) -> list[list[int]]:
+    ids = [rt.add_request(p, GREEDY) for p in PROMPTS]
+    got: dict[int, list[int]] = {i: [] for i in ids}
+    schedule = iter(depths)
+    while rt.has_unfinished():
+        rt.mtp_depth = next(schedule, 2)
+        for out in rt.step():
+            got[out.request_id] += out.new_token_ids
+    return list(got.values())
 
 
 @pytest.mark.parametrize("fuse", [False, True])
@@ -58,7 +80,7 @@ def test_verify_sampling_is_fused_on_cuda_only_when_asked(checkpoint, monkeypatc
     _, after = post_grad_graphs(
         key.kind, model, state, example_inputs(key, model, 8), ("fuse_verify_sampling",)
     )
-    fused = [n for n in after.graph.nodes if n.target is fuse_verify_sampling.FuseVerifySampling.op]
+    fused = [n for n in after.graph.nodes if n.target is REGISTRY["fuse_verify_sampling"].op]
     assert len(fused) == fuse and all(n.args[0].meta["val"].is_cuda for n in fused)
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from . import bench
 from .capture import parallel
-from .capture.aot import environment
+from .capture.aot import ArtifactError, environment
 from .capture.cache import GraphCache, user_cache
 from .capture.compiler import progress
 from .capture.profile import DEFAULT_MODEL, PROFILES, Profile, ProfileError, load_profile
@@ -631,7 +631,7 @@ def main(argv: list[str] | None = None) -> None:
     progress.disabled = getattr(args, "no_progress", False) or args.command == "capture"
     try:
         args.func(args)
-    except (CheckpointError, ProfileError, ValueError) as e:
+    except (ArtifactError, CheckpointError, ProfileError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
 

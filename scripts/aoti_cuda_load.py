@@ -13,6 +13,11 @@ Stages (each compares its outputs with the same computation run eagerly):
   the first, loaded by the second process), its greedy tokens against eager steps'.
 
 A stage that kills its process (a signal) is reported with the signal's name and the end of its output.
+
+Inductor builds with the compiler in CXX (else g++). One that links libstdc++ into the packages makes
+every stage fail, CPU ones too (docs/capture.md): plain then prints the libraries its code needs, and
+the stages that build through capture.aot stop at its refusal. Run it with CXX set to a compiler that links
+libstdc++ dynamically, such as the system's g++.
 """
 
 from __future__ import annotations
@@ -23,17 +28,19 @@ import signal
 import subprocess
 import sys
 import tempfile
+import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 from torch import nn
+from torch._inductor import cpp_builder
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from compiled_mtp import Runtime, SamplingParams  # noqa: E402
-from compiled_mtp.capture import aot  # noqa: E402
+from compiled_mtp.capture import aot, elf  # noqa: E402
 from compiled_mtp.capture.cache import GraphCache  # noqa: E402
 from compiled_mtp.graphs.plan import GraphKey, GraphKind, example_inputs  # noqa: E402
 from compiled_mtp.graphs.state import StaticState  # noqa: E402
@@ -54,6 +61,11 @@ def plain(device: str, work: Path) -> None:
     model, x = mlp(device)
     ep = torch.export.export(model, (x,))
     package = torch._inductor.aoti_compile_and_package(ep, package_path=str(work / "plain.pt2"))
+    with zipfile.ZipFile(
+        package
+    ) as archive:  # a libstdc++ of its own cannot load: see aot._check_cpp_runtime
+        needs = [elf.needed(archive.read(n)) for n in archive.namelist() if n.endswith(".so")]
+    print(f"built by {cpp_builder.get_cpp_compiler()}; its code needs {needs}", flush=True)
     compare(torch._inductor.aoti_load_package(package)(x), model(x))
 
 

@@ -366,6 +366,54 @@ def test_damaged_artifacts_are_reported_and_rebuilt(captured, checkpoints, tmp_p
     assert again.stats()["compiles"] == 0 and again.graphs.loads == 4
 
 
+# g++, linking libstdc++ statically into the shared objects it links: a compiler like the one that
+# made CUDA packages crash their loader on a lent GPU machine (docs/capture.md).
+STATIC_LIBSTDCXX_GXX = """#!/bin/sh
+case " $* " in *" -shared "*) exec g++ "$@" -static-libstdc++ ;; esac
+exec g++ "$@"
+"""
+
+
+def test_packages_with_their_own_libstdcxx_are_refused(captured, checkpoints, tmp_path):
+    """A package whose code carries a copy of libstdc++ cannot be loaded beside torch's (std::bad_cast
+    here, a segmentation fault there). The graph built by such a compiler is refused before the
+    loader opens it: one line naming cache_dir and the compiler, exit status 2, and the cache keeps
+    its valid packages and nothing half-written."""
+    cache = _copy(captured[0], tmp_path / "cache")
+    _package(cache, "draft_extend").unlink()
+    gxx = tmp_path / "g++-static-libstdc++"
+    gxx.write_text(STATIC_LIBSTDCXX_GXX)
+    gxx.chmod(0o755)
+    done = subprocess.run(
+        [sys.executable, "-m", "compiled_mtp.cli", "generate", "--ids", "5 6 7", "--max-new-tokens", "4"]
+        + [
+            "--model",
+            str(checkpoints[0]),
+            "--profile",
+            str(PROFILE),
+            "--cache-dir",
+            str(cache),
+            "--no-progress",
+        ],
+        env={**os.environ, "PYTHONPATH": str(ROOT), "CXX": str(gxx)},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert (
+        done.stderr.strip()
+        .splitlines()[-1]
+        .startswith(
+            f"error: cache_dir: the C++ compiler Inductor uses ({gxx}) links libstdc++ into each package"
+        )
+    )
+    artifacts = GraphCache(cache).artifacts(environment)
+    assert len(artifacts) == 3 and all(a.status == "valid" for a in artifacts)
+    assert not [p for p in cache.iterdir() if p.name.startswith(".")]
+
+
 def test_stale_artifacts_are_reported_and_rebuilt(captured, checkpoints, tmp_path, caplog):
     cache = _copy(captured[0], tmp_path / "cache")
     # Built by another torch version: the metadata says so.

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
+from torch._inductor import cpp_builder
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.utils import parallel_num_threads
 from torch.export.pt2_archive._package import AOTICompiledModel
@@ -37,6 +38,7 @@ from ..graphs.state import StaticState
 from ..models.family import CausalLM
 from ..passes.fold_key_constants import PREFIX as FOLDED_PREFIX
 from ..passes.fold_key_constants import folded_name, folded_value
+from . import elf
 
 # Inductor settings every artifact needs. Without `always_keep_tensor_constants`, Inductor copies
 # 1-D constants of <= 8 elements into the code (the router's correction bias of a small model, the
@@ -47,10 +49,13 @@ AOT_OPTIONS = {"aot_inductor.package_constants_in_so": False, "always_keep_tenso
 # Packages whose code ends up in the graphs (with this module, which sets how they are built).
 SOURCES = ("graphs", "models", "passes")
 FOLDED_ENTRY = "compiled_mtp_folded_constants.pt"  # in the package's extra/ folder
-# Loading any package built for CUDA, a plain MLP's too, kills the process (SIGSEGV inside
-# torch._inductor.aoti_load_package, H100, torch 2.11.0+cu130): scripts/aoti_cuda_load.py reproduces
-# it and is the check to pass on a CUDA install before CUDA graphs are captured.
-CPU_ONLY = "the capture cache holds CPU graphs only (AOTInductor packages built for CUDA crash its loader)"
+# No CUDA package has loaded on a GPU machine yet: on the one tried (an H100, torch 2.11.0+cu130) the
+# compiler linked libstdc++ into every package, CPU ones too, and each crashed its loader (see
+# _check_cpp_runtime). scripts/aoti_cuda_load.py is the check to pass there before CUDA is cached.
+CPU_ONLY = "the capture cache holds CPU graphs only (no CUDA package has yet loaded on a GPU machine)"
+
+
+CPP_RUNTIMES = ("libstdc++.so", "libc++.so")  # a package's code must link one of them dynamically
 
 
 class ArtifactError(RuntimeError):
@@ -174,6 +179,7 @@ def build(
     The live tensors are only traced with fake copies, so building leaves the model and state as they were."""
     ep = export_step(kind, model, state, inputs)
     compile_package(ep, package, options)
+    _check_cpp_runtime(package)  # before anything opens it; a package stored has passed
     constant_names = _open(package).get_constant_fqns()
     if any(name.startswith(FOLDED_PREFIX) and folded_value(name) is None for name in constant_names):
         # Inductor's FX graph cache served the code, so the folding pass did not run here, and the
@@ -276,3 +282,22 @@ def _open(package: Path) -> AOTICompiledModel:
     test programs to find the CPU's vector ISA (about 1 s on a process's first load) only to log a
     warning, and the key's "target" field already pins the ISA."""
     return AOTICompiledModel(torch._C._aoti.AOTIModelPackageLoader(str(package), "model", False, 1, -1))
+
+
+def _check_cpp_runtime(package: Path) -> None:
+    """Refuse a package whose code carries a C++ runtime of its own.
+
+    A compiler that links libstdc++ statically (`-static-libstdc++`, or a GCC built to do so) puts a
+    second copy of the C++ runtime beside the one torch runs on. The loader's first act in the package
+    is to parse the device name with std::regex, whose locale facets the two copies then mix up:
+    std::bad_cast, or a segmentation fault that kills the process (docs/capture.md)."""
+    with zipfile.ZipFile(package) as archive:
+        objects = [archive.read(n) for n in archive.namelist() if n.endswith(".so")]
+    for data in objects:
+        if elf.is_elf64(data) and not any(lib.startswith(CPP_RUNTIMES) for lib in elf.needed(data)):
+            raise ArtifactError(
+                f"cache_dir: the C++ compiler Inductor uses ({cpp_builder.get_cpp_compiler()}) links libstdc++ "
+                "into each package, and loading such a package beside torch's own libstdc++ fails or "
+                "crashes the process; set CXX to a compiler that links it dynamically, such as the "
+                "system's g++, or leave cache_dir unset"
+            )

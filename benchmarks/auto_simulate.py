@@ -5,21 +5,21 @@
     python benchmarks/auto_simulate.py --noise 0.2 --drift 0 0.03 --rev HEAD~1   # HEAD~1's policy beside
     python benchmarks/auto_simulate.py --trace benchmarks/acceptance-trace.json  # real acceptance
 
-Each (B, K) step costs the iteration time `compiled-mtp bench` measured (benchmarks/bench-cpu.json,
-host time included); each draft position is accepted at the shipped model's held-out rate at K=3
-(train_log.json, conditional on the position before), seeded. For each B, B requests of `--tokens`
-tokens run at every fixed depth and under DepthPolicy with each `--setting` (the defaults first) and
-each `--rev`'s DepthPolicy, the policy having served as many untimed first (a runtime's warm-up; with
-`--warm-up N`, the first N batches of them only: the bench's runtimes warm up on a round, 8 batches
-at B=1 and 2 at B=4; before run 32, on one). Each step's time is off its cost by up to +-`--noise`,
-and scaled by a machine speed that wanders by `--drift` a millisecond (this machine's memory speed
-moves by half within a fraction of a second; every system meets the same wandering, drawn from the
-seed); the mean over `--seeds` seeds is printed against the best fixed depth's. With `--trace`,
-acceptance is replayed from the real held-out generations instead (benchmarks/acceptance_trace.py):
-each seed serves every traced request, B at a time in a seeded order, and each step accepts what a
-step from that point of that text accepts, so a request's acceptance rises and falls as its text
-does. SIMULATED: no catch-up runs, and the costs do not move with the depth schedule as a real
-machine's do.
+Each (B, K) step costs the iteration time `compiled-mtp bench` measured (benchmarks/bench-cpu.json, host
+time included), or the step time of a bench_preset.py JSON (`--bench preset-cuda-depths.json`); each
+draft position is accepted at the shipped model's held-out rate at K=3 (train_log.json, conditional on
+the position before), seeded. For each B, B requests of `--tokens` tokens run at every fixed depth and
+under DepthPolicy with each `--setting` (the defaults first) and each `--rev`'s DepthPolicy, the policy
+having served as many untimed first (a runtime's warm-up; with `--warm-up N`, the first N batches of
+them only: the bench's runtimes warm up on a round, 8 batches at B=1 and 2 at B=4; before run 32, on
+one). Each step's time is off its cost by up to +-`--noise`, and scaled by a machine speed that wanders
+by `--drift` a millisecond (this machine's memory speed moves by half within a fraction of a second;
+every system meets the same wandering, drawn from the seed); the mean over `--seeds` seeds is printed
+against the best fixed depth's. With `--trace`, acceptance is replayed from the real held-out
+generations instead (benchmarks/acceptance_trace.py): each seed serves every traced request, B at a time
+in a seeded order, and each step accepts what a step from that point of that text accepts, so a
+request's acceptance rises and falls as its text does. SIMULATED: no catch-up runs, and the costs do not
+move with the depth schedule as a real machine's do.
 """
 
 from __future__ import annotations
@@ -45,6 +45,20 @@ def setting(text: str) -> tuple[str, float]:
     return name, int(value) if value.isdigit() else float(value)  # a window's length is a count
 
 
+def step_costs(path: Path) -> dict[int, dict[int, float]]:
+    """B -> K -> ms a step, from `compiled-mtp bench`'s JSON (its iterations) or bench_preset.py's."""
+    data = json.loads(path.read_text())
+    if "engine" in data:
+        rows = [(r["batch"], r["k"], r["iteration_ms"]) for r in data["engine"]]
+    else:
+        rows = [(r["B"], r["K"], r["step_ms"]) for r in data["rows"]]
+    costs: dict[int, dict[int, float]] = {}
+    for batch, k, ms in rows:
+        if k != "auto":
+            costs.setdefault(batch, {})[k] = ms
+    return costs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bench", type=Path, default=ROOT / "benchmarks" / "bench-cpu.json")
@@ -62,11 +76,7 @@ def main() -> None:
     parser.add_argument("--trace", type=Path, help="replay the acceptance of acceptance_trace.py's JSON")
     args = parser.parse_args()
     trace = json.loads(args.trace.read_text())["accepted"] if args.trace else None
-    rows = json.loads(args.bench.read_text())["engine"]
-    costs: dict[int, dict[int, float]] = {}
-    for row in rows:
-        if row["k"] != "auto":
-            costs.setdefault(row["batch"], {})[row["k"]] = row["iteration_ms"]
+    costs = step_costs(args.bench)
     rates = shipped_rates()
     policies: list[tuple[str, type[DepthPolicy], dict[str, float]]] = [("as shipped", DepthPolicy, {})]
     policies += [(f"{name}={value:g}", DepthPolicy, {name: value}) for name, value in args.setting]

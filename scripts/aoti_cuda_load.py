@@ -16,8 +16,8 @@ A stage that kills its process (a signal) is reported with the signal's name and
 
 Inductor builds with the compiler in CXX (else g++). One that links libstdc++ into the packages makes
 every stage fail, CPU ones too (docs/capture.md): plain then prints the libraries its code needs, and
-the stages that build through capture.aot stop at its refusal. Run it with CXX set to a compiler that links
-libstdc++ dynamically, such as the system's g++.
+the stages that build through capture.aot stop at its refusal. Run it with CXX set to a compiler
+that links libstdc++ dynamically, such as the system's g++.
 """
 
 from __future__ import annotations
@@ -61,9 +61,8 @@ def plain(device: str, work: Path) -> None:
     model, x = mlp(device)
     ep = torch.export.export(model, (x,))
     package = torch._inductor.aoti_compile_and_package(ep, package_path=str(work / "plain.pt2"))
-    with zipfile.ZipFile(
-        package
-    ) as archive:  # a libstdc++ of its own cannot load: see aot._check_cpp_runtime
+    # A package that carries a libstdc++ of its own cannot load: see aot._check_cpp_runtime.
+    with zipfile.ZipFile(package) as archive:
         needs = [elf.needed(archive.read(n)) for n in archive.namelist() if n.endswith(".so")]
     print(f"built by {cpp_builder.get_cpp_compiler()}; its code needs {needs}", flush=True)
     compare(torch._inductor.aoti_load_package(package)(x), model(x))

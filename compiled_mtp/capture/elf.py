@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import struct
 
-ELF_MAGIC = b"\x7fELF"
+_MAGIC = b"\x7fELF"
 # Elf64_Shdr: name, type, flags, addr, offset, size, link, info, addralign, entsize; Elf64_Dyn: tag, value
 _SECTION, _DYN = struct.Struct("<IIQQQQIIQQ"), struct.Struct("<qQ")
 _SHT_DYNAMIC, _DT_NULL, _DT_NEEDED = 6, 0, 1
@@ -12,7 +12,7 @@ _SHT_DYNAMIC, _DT_NULL, _DT_NEEDED = 6, 0, 1
 
 def is_elf64(data: bytes) -> bool:
     """A 64-bit little-endian ELF file (what Inductor builds on x86-64 and aarch64 Linux)."""
-    return data[:4] == ELF_MAGIC and data[4] == 2 and data[5] == 1
+    return data[:4] == _MAGIC and data[4] == 2 and data[5] == 1
 
 
 def needed(data: bytes) -> list[str]:

@@ -29,7 +29,12 @@ What it measures (greedy decoding throughout, the same prompts for every system)
   parameters, counting one embedding row and only the shared plus `num_experts_per_tok` routed
   experts of a MoE layer, plus per draft step the MTP layer's, the shared LM head and one embedding
   row; over the measured copy bandwidth they give the most steps per second; times B and the row's
-  acceptance length it bounds tokens/s.
+  acceptance length it bounds tokens/s;
+- the roofline: the same bytes, and the multiply-adds of those weights (2 per element of every
+  matrix, per row: B (K + 1) rows of the target's verify and the draft extend, B of each later draft
+  step; attention over the cache not counted) at the rate a large torch.mm reaches on the same
+  threads. A step takes at least the longer of the two, so the roofline's speedup over K=0 is at most
+  the bandwidth bound's, and below it where a verify of B (K + 1) rows is more arithmetic than reading.
 
 Prompts are held-out text when the checkpoint has a tokenizer: windows of `--prompt-len` tokens one
 third into each file that the shipped model's training holds out (compiled_mtp/corpus.py), as its
@@ -39,7 +44,7 @@ B), B at a time, so that a B = 1 row's speed rests on the acceptance of several 
 acceptance measurement takes the first `--accept-prompts`.
 
 Results go to OUT/bench-<device type>.json (the dataclasses below, as dicts; `bound.steps_per_s` is
-keyed by K as a string) and a plot to OUT/bench-<device type>.png.
+keyed by K as a string, `bound.roofline_steps_per_s` by "K/B") and a plot to OUT/bench-<device type>.png.
 """
 
 from __future__ import annotations
@@ -142,6 +147,7 @@ class EngineRun:
     speedup: float = 0.0  # decode_tokens_per_s over K=0's at this B (the bound counts no prefill either)
     bound_speedup: float = 0.0  # bound_tokens_per_s over K=0's
     bound_fraction: float = 0.0  # speedup / bound_speedup
+    roofline_speedup: float = 0.0  # the roofline's tokens/s at this K, B and acceptance length over K=0's
     depth_histogram: dict[int, int] | None = None  # auto: decode steps run at each depth, timed runs
     decode_runs: list[float] = field(default_factory=list)  # decode tok/s of each timed run, by round
 
@@ -183,6 +189,10 @@ class Bound:
     target_bytes: int  # read by one target forward
     mtp_step_bytes: list[int]  # read by one draft step, per MTP layer
     steps_per_s: dict[int, float]  # by K: bandwidth / (target + K draft steps)
+    flops_per_s: float = 0.0  # the best of 5 large torch.mm products, float operations over seconds
+    target_flops: int = 0  # of one target forward's weights, per row
+    mtp_step_flops: list[int] = field(default_factory=list)  # of one draft step's, per row and MTP layer
+    roofline_steps_per_s: dict[str, float] = field(default_factory=dict)  # by "K/B": bytes or arithmetic
 
 
 @dataclass
@@ -526,35 +536,50 @@ def bench_hf(path: Path, prompts: list[list[int]], args: argparse.Namespace) -> 
 # ------------------------------------------------------------------------------------------ bound
 
 
-def _layer_bytes(layer: torch.nn.Module, num_experts_per_tok: int) -> int:
-    """Weight bytes one token reads from a decoder layer: all of them except the routed experts, of
-    which it reads only the `num_experts_per_tok` it is routed to. Every family stacks a layer's
-    routed experts in one module whose parameters are all [E, ...]."""
+def _layer_size(layer: torch.nn.Module, num_experts_per_tok: int, size: Callable[[torch.Tensor], int]) -> int:
+    """`size` summed over the weights one token reads from a decoder layer: all of them except the
+    routed experts, of which it reads only the `num_experts_per_tok` it is routed to. Every family
+    stacks a layer's routed experts in one module whose parameters are all [E, ...]."""
     total = 0
     for module in layer.modules():
         own = list(module.parameters(recurse=False))
-        size = sum(library.read_bytes(p) for p in own)
+        amount = sum(size(p) for p in own)
         experts = {p.shape[0] for p in own if p.dim() == 3}
         stacked = len(experts) == 1 and all(p.dim() == 3 for p in own)
-        total += size * num_experts_per_tok // experts.pop() if stacked else size
+        total += amount * num_experts_per_tok // experts.pop() if stacked else amount
     return total
+
+
+def _step_sizes(model: CausalLM, size: Callable[[torch.Tensor], int], row: int) -> tuple[int, list[int]]:
+    """`size` summed over what one target forward reads, and one draft step per MTP layer: `row` for its
+    embedding row, its layers, the final norm and the LM head (a draft step: the draft head of a
+    restricted draft vocabulary)."""
+    cfg, layers = model.cfg, model.model.layers
+    mtp_layers = [model.mtp_layer(i) for i in range(model.num_mtp_layers)]
+    head = size(model.lm_head.weight)
+    k = cfg.num_experts_per_tok or 0
+    target = row + sum(_layer_size(layer, k, size) for layer in layers[: cfg.num_hidden_layers])
+    target += size(model.model.norm.weight) + head
+    draft_head = head if model.draft_head is None else size(model.draft_head.weight)
+    return target, [row + _layer_size(layer, k, size) + draft_head for layer in mtp_layers]
 
 
 def weight_bytes(model: CausalLM) -> tuple[int, list[int]]:
     """(bytes one target forward reads, bytes one draft step reads per MTP layer), as the engine's
-    kernels read them (`library.read_bytes`: after the runs, which made the ops' panels). A token reads
-    one embedding row; a draft step also projects through the shared LM head (or the draft head of a
-    restricted draft vocabulary)."""
-    cfg, layers = model.cfg, model.model.layers
-    mtp_layers = [model.mtp_layer(i) for i in range(model.num_mtp_layers)]
-    row = model.model.embed_tokens.weight[0].nbytes
-    head = library.read_bytes(model.lm_head.weight)
-    norm = model.model.norm.weight.nbytes
-    k = cfg.num_experts_per_tok or 0
-    target = row + sum(_layer_bytes(layer, k) for layer in layers[: cfg.num_hidden_layers]) + norm + head
-    draft_head = head if model.draft_head is None else library.read_bytes(model.draft_head.weight)
-    mtp = [row + _layer_bytes(layer, k) + draft_head for layer in mtp_layers]
-    return target, mtp
+    kernels read them (`library.read_bytes`: after the runs, which made the ops' panels)."""
+    return _step_sizes(model, library.read_bytes, model.model.embed_tokens.weight[0].nbytes)
+
+
+def _matrix_flops(weight: torch.Tensor) -> int:
+    return 2 * weight.numel() if weight.dim() >= 2 else 0  # a vector (a norm's) only scales
+
+
+def weight_flops(model: CausalLM) -> tuple[int, list[int], int]:
+    """(float operations of one target forward's weights, of one draft step's per MTP layer, of the
+    draft step's head), per row: a multiply and an add per matrix element. The embedding row is read,
+    not multiplied."""
+    head = model.lm_head if model.draft_head is None else model.draft_head
+    return *_step_sizes(model, _matrix_flops, 0), _matrix_flops(head.weight)
 
 
 def copy_bandwidth(device: str, megabytes: int, runs: int = 5) -> float:
@@ -572,12 +597,35 @@ def copy_bandwidth(device: str, megabytes: int, runs: int = 5) -> float:
     return 2 * src.nbytes / best
 
 
+def gemm_rate(device: str, dtype: torch.dtype, n: int = 1024, runs: int = 5) -> float:
+    """Float operations per second of the fastest of `runs` [n, n] x [n, n] products: what the cores
+    reach on arithmetic that reuses every weight n times."""
+    a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+    return 2 * n**3 / _best_of(runs, device, partial(torch.mm, a, b))
+
+
 def bandwidth_bound(
     target: int, mtp: list[int], bandwidth: float, copy_bytes: int, depths: list[int]
 ) -> Bound:
     """Depth j drafts with MTP layer j % (number of layers), as the engine does."""
     steps = {k: bandwidth / (target + sum(mtp[j % len(mtp)] for j in range(k))) for k in depths}
     return Bound(copy_bytes, bandwidth, target, mtp, steps)
+
+
+def add_roofline(
+    bound: Bound, flops: tuple[int, list[int], int], rate: float, batch_sizes: list[int]
+) -> None:
+    """The roofline's steps per second at every (K, B): a step reads its bytes (`steps_per_s`) and does
+    its weights' multiply-adds at `rate`, so it takes at least the longer of the two. A K-step runs
+    B (K + 1) rows through the target's verify and MTP layer 0 (the draft extend, whose head drafts
+    from one row of each request), then B rows through each of its K - 1 draft steps."""
+    target, mtp, head = flops
+    bound.flops_per_s, bound.target_flops, bound.mtp_step_flops = rate, target, mtp
+    for k, steps in bound.steps_per_s.items():
+        for b in batch_sizes:
+            rows = b * (k + 1)
+            drafts = rows * (mtp[0] - head) + b * head + b * sum(mtp[j % len(mtp)] for j in range(1, k))
+            bound.roofline_steps_per_s[f"{k}/{b}"] = min(steps, rate / (rows * target + (drafts if k else 0)))
 
 
 def add_bounds(engine: list[EngineRun], bound: Bound) -> None:
@@ -595,6 +643,16 @@ def add_bounds(engine: list[EngineRun], bound: Bound) -> None:
             e.speedup = e.decode_tokens_per_s / base.decode_tokens_per_s
             e.bound_speedup = e.bound_tokens_per_s / base.bound_tokens_per_s
             e.bound_fraction = e.speedup / e.bound_speedup
+            e.roofline_speedup = max(
+                _roofline_speedup(bound, r, base) for r in (fixed if e.k == "auto" else [e])
+            )
+
+
+def _roofline_speedup(bound: Bound, e: EngineRun, base: EngineRun) -> float:
+    roofline = bound.roofline_steps_per_s
+    if not roofline:
+        return 0.0
+    return e.acceptance_length * roofline[f"{e.k}/{e.batch}"] / roofline[f"0/{base.batch}"]
 
 
 # ------------------------------------------------------------------------------------------ report
@@ -623,7 +681,10 @@ def _speedup_goal(runs: list[EngineRun], b: int, goal: float) -> list[Goal]:
         f"K={best.k}: {best.decode_tokens_per_s:.1f} vs {base.decode_tokens_per_s:.1f} decode tok/s"
         f" ({best.tokens_per_s / base.tokens_per_s:.2f}x with the prefill; {paired_ratio(best, base)})"
     )
-    fraction = f"K={best.k}: {best.speedup:.2f}x of a bound of {best.bound_speedup:.2f}x"
+    fraction = (
+        f"K={best.k}: {best.speedup:.2f}x of a bound of {best.bound_speedup:.2f}x"
+        f" (the roofline, arithmetic counted too, {best.roofline_speedup:.2f}x)"
+    )
     return [
         Goal(f"speedup_b{b}", name, best.speedup, goal, best.speedup >= goal, detail),
         Goal(
@@ -778,14 +839,14 @@ def print_report(r: BenchResult) -> None:
     print(
         f"\n{'system':<30}{'B':>3}{'tok/s':>10}{'decode':>9}{'bound':>8}{'ms/iter':>9}{'host ms':>9}{'host %':>8}"
         f"{'acc len':>9}"
-        f"{'vs K=0':>8}{'bound':>7}{'of it':>7}"
+        f"{'vs K=0':>8}{'bound':>7}{'of it':>7}{'roof':>7}"
     )
     for e in r.engine:
         print(
             f"{'compiled_mtp K=' + str(e.k):<30}{e.batch:>3}{e.tokens_per_s:>10.1f}{e.decode_tokens_per_s:>9.1f}"
             f"{e.bound_tokens_per_s:>8.0f}{e.iteration_ms:>9.2f}"
             f"{e.host_ms:>9.3f}{100 * e.host_share:>8.1f}{e.acceptance_length:>9.2f}"
-            f"{e.speedup:>7.2f}x{e.bound_speedup:>6.2f}x{100 * e.bound_fraction:>6.0f}%"
+            f"{e.speedup:>7.2f}x{e.bound_speedup:>6.2f}x{100 * e.bound_fraction:>6.0f}%{e.roofline_speedup:>6.2f}x"
         )
     for h in r.hf:
         acc = f"{'':>36}{h.acceptance_length:>9.2f}" if h.acceptance_length is not None else ""
@@ -804,6 +865,13 @@ def print_report(r: BenchResult) -> None:
         f"{bound.target_bytes / 1e6:.2f} MB, per draft step {per_draft_step} MB; "
         + ", ".join(f"K={k}: {s:.0f} steps/s" for k, s in bound.steps_per_s.items())
     )
+    if bound.flops_per_s:
+        per_draft_row = ", ".join(f"{x / 1e6:.2f}" for x in bound.mtp_step_flops) or "-"
+        print(
+            f"roofline: torch.mm {bound.flops_per_s / 1e9:.0f} GFLOP/s; weights' multiply-adds per row "
+            f"{bound.target_flops / 1e6:.2f} MFLOP per target forward, {per_draft_row} per draft step; "
+            + ", ".join(f"K/B={kb}: {s:.0f} steps/s" for kb, s in bound.roofline_steps_per_s.items())
+        )
     print(f"compiles {m.compiles}, recompiles {m.recompiles}")
     print("\ngoals:")
     for g in r.goals:
@@ -1069,10 +1137,12 @@ def run(args: argparse.Namespace) -> None:
         )
         del systems
     target_bytes, mtp_bytes = weight_bytes(model)
+    flops = weight_flops(model)
     del model  # HF loads its own copy next
     hf, meta.hf_attention = bench_hf(args.model, prompts.token_ids, args)
     bandwidth = copy_bandwidth(args.device, args.copy_mb)
     bound = bandwidth_bound(target_bytes, mtp_bytes, bandwidth, args.copy_mb * 2**20, args.depths)
+    add_roofline(bound, flops, gemm_rate(args.device, DTYPES[args.dtype]), args.batch_sizes)
     add_bounds(engine, bound)
     result = BenchResult(meta, acceptance, engine, hf, bound, peers, [])
     result.goals = goals(result)

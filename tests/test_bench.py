@@ -125,6 +125,10 @@ def test_values_are_sane(result):
     )
     steps = [bound["steps_per_s"][str(k)] for k in DEPTHS]
     assert steps == sorted(steps, reverse=True)  # each draft step reads more weights
+    assert bound["flops_per_s"] > 0 and bound["target_flops"] > 0 and len(bound["mtp_step_flops"]) == 1
+    assert set(bound["roofline_steps_per_s"]) == {f"{k}/{b}" for k in DEPTHS for b in BATCHES}
+    for e in data["engine"]:
+        assert 0 < e["roofline_speedup"] <= e["bound_speedup"] * (1 + 1e-9)
     goals = {g["id"]: g for g in data["goals"]}
     assert goals["speedup_b1"]["value"] >= 1  # best K includes K=0
     assert goals["speedup_b4"]["value"] is None  # B=4 was not run
@@ -196,6 +200,62 @@ def test_weight_bytes_count_only_the_routed_experts_a_token_uses(echo_checkpoint
         + model.model.embed_tokens.weight[0].nbytes
         + model.lm_head.weight.nbytes
     )
+
+
+def test_weight_flops_count_every_matrix_a_token_multiplies_by(echo_checkpoint):
+    """Two operations per element of every matrix a token multiplies by: not the embedding (a row is
+    gathered), not the routed experts it is not routed to, the LM head again for a draft step."""
+    from compiled_mtp.models.checkpoint import load_model
+
+    model = load_model(echo_checkpoint)
+    cfg = model.cfg
+    target, (mtp,), head = bench.weight_flops(model)
+    matrices = sum(2 * p.numel() for p in model.parameters() if p.dim() >= 2)
+    experts = sum(2 * layer.mlp.experts.gate_proj.numel() * 3 for layer in model.model.layers)
+    unused = experts * (cfg.n_routed_experts - cfg.num_experts_per_tok) // cfg.n_routed_experts
+    assert head == 2 * model.lm_head.weight.numel()
+    assert target + mtp == matrices - unused - 2 * model.model.embed_tokens.weight.numel() + head
+
+
+@given(
+    target=st.integers(1, 10**9),
+    draft=st.lists(st.integers(1, 10**8), min_size=1, max_size=3),
+    head=st.integers(0, 10**7),
+    rate=st.floats(1e6, 1e15),
+    bandwidth=st.floats(1e6, 1e12),
+    depths=st.lists(st.integers(0, 5), min_size=1, max_size=4, unique=True),
+    batches=st.lists(st.integers(1, 64), min_size=1, max_size=4, unique=True),
+)
+def test_the_roofline_never_allows_more_than_the_bandwidth_bound(
+    target, draft, head, rate, bandwidth, depths, batches
+):
+    """At most the bandwidth bound's steps; no more as rows are added (a deeper K, a larger B); and
+    the bandwidth bound itself where arithmetic costs nothing."""
+    draft = [d + head for d in draft]  # a draft step's multiply-adds include its head's
+    bytes_bound = bench.bandwidth_bound(target, draft, bandwidth, 1, depths)
+    bench.add_roofline(bytes_bound, (target, draft, head), rate, batches)
+    roof = bytes_bound.roofline_steps_per_s
+    for k in depths:
+        assert all(roof[f"{k}/{b}"] <= bytes_bound.steps_per_s[k] for b in batches)
+        by_batch = [roof[f"{k}/{b}"] for b in sorted(batches)]
+        assert by_batch == sorted(by_batch, reverse=True)
+    for b in batches:
+        by_depth = [roof[f"{k}/{b}"] for k in sorted(depths)]
+        assert by_depth == sorted(by_depth, reverse=True)
+    free = bench.bandwidth_bound(target, draft, bandwidth, 1, depths)
+    bench.add_roofline(free, (target, draft, head), float("inf"), batches)
+    assert all(free.roofline_steps_per_s[f"{k}/{b}"] == free.steps_per_s[k] for k in depths for b in batches)
+
+
+def test_a_roofline_step_counts_every_row_of_its_graphs():
+    """K=2, B=3: 9 rows through the target and the extend's layer (whose head drafts from 3), 3
+    through the draft step that follows."""
+    bound = bench.bandwidth_bound(10**6, [10**5], 1e12, 1, [0, 2])
+    bench.add_roofline(bound, (100, [40], 10), 1320.0, [3])
+    assert bound.roofline_steps_per_s == {
+        "0/3": 1320.0 / 300,
+        "2/3": 1.0,
+    }  # 9 * 100 + 9 * 30 + 3 * 10 + 3 * 40
 
 
 def test_weight_bytes_count_the_panels_an_op_reads_in_place_of_a_weight(echo_checkpoint):

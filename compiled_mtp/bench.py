@@ -147,7 +147,10 @@ class EngineRun:
     speedup: float = 0.0  # decode_tokens_per_s over K=0's at this B (the bound counts no prefill either)
     bound_speedup: float = 0.0  # bound_tokens_per_s over K=0's
     bound_fraction: float = 0.0  # speedup / bound_speedup
-    roofline_speedup: float = 0.0  # the roofline's tokens/s at this K, B and acceptance length over K=0's
+    roofline_tokens_per_s: float = (
+        0.0  # the roofline (bytes or multiply-adds) at this K, B and acceptance length
+    )
+    roofline_speedup: float = 0.0  # roofline_tokens_per_s over K=0's
     depth_histogram: dict[int, int] | None = None  # auto: decode steps run at each depth, timed runs
     decode_runs: list[float] = field(default_factory=list)  # decode tok/s of each timed run, by round
 
@@ -629,30 +632,26 @@ def add_roofline(
 
 
 def add_bounds(engine: list[EngineRun], bound: Bound) -> None:
-    """Each row's bandwidth bound, and its speedup over K=0 at its B beside the bound's. Auto's bound is
-    the best fixed depth's at its B."""
+    """Each row's bandwidth bound and roofline, and its speedup over K=0 at its B beside theirs. Auto's
+    are the best fixed depth's at its B."""
     for e in engine:
         if isinstance(e.k, int):  # not "auto"
             e.bound_tokens_per_s = e.batch * e.acceptance_length * bound.steps_per_s[e.k]
+            e.roofline_tokens_per_s = (
+                e.batch * e.acceptance_length * bound.roofline_steps_per_s.get(f"{e.k}/{e.batch}", 0.0)
+            )
     for e in engine:
         fixed = [r for r in engine if r.batch == e.batch and r.k != "auto"]
         if e.k == "auto":
             e.bound_tokens_per_s = max(r.bound_tokens_per_s for r in fixed)
+            e.roofline_tokens_per_s = max(r.roofline_tokens_per_s for r in fixed)
         base = _engine_row(engine, 0, e.batch)
         if base is not None:
             e.speedup = e.decode_tokens_per_s / base.decode_tokens_per_s
             e.bound_speedup = e.bound_tokens_per_s / base.bound_tokens_per_s
             e.bound_fraction = e.speedup / e.bound_speedup
-            e.roofline_speedup = max(
-                _roofline_speedup(bound, r, base) for r in (fixed if e.k == "auto" else [e])
-            )
-
-
-def _roofline_speedup(bound: Bound, e: EngineRun, base: EngineRun) -> float:
-    roofline = bound.roofline_steps_per_s
-    if not roofline:
-        return 0.0
-    return e.acceptance_length * roofline[f"{e.k}/{e.batch}"] / roofline[f"0/{base.batch}"]
+            if base.roofline_tokens_per_s:
+                e.roofline_speedup = e.roofline_tokens_per_s / base.roofline_tokens_per_s
 
 
 # ------------------------------------------------------------------------------------------ report
@@ -886,7 +885,8 @@ def print_report(r: BenchResult) -> None:
 
 def plot(r: BenchResult, path: Path) -> None:
     """tokens/s against K, one colour per batch size: the engine (solid), its bandwidth bound (dotted),
-    HF generate (dashed, flat in K) and HF generate(use_mtp=True) (a star at its draft count)."""
+    its roofline where lower (dotted, crosses), HF generate (dashed, flat in K) and HF
+    generate(use_mtp=True) (a star at its draft count)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
@@ -899,6 +899,8 @@ def plot(r: BenchResult, path: Path) -> None:
         color = f"C{i}"
         ax.plot(ks, [e.tokens_per_s for e in rows], "o-", color=color, label=f"compiled_mtp B={b}")
         ax.plot(ks, [e.bound_tokens_per_s for e in rows], ":", color=color, label=f"bandwidth bound B={b}")
+        if any(e.roofline_tokens_per_s < e.bound_tokens_per_s for e in rows):  # else the same line
+            ax.plot(ks, [e.roofline_tokens_per_s for e in rows], "x:", color=color, label=f"roofline B={b}")
         auto = _engine_row(r.engine, "auto", b)
         if auto is not None:
             ax.axhline(auto.tokens_per_s, ls="-.", color=color, label=f"compiled_mtp auto B={b}")

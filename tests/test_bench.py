@@ -128,6 +128,7 @@ def test_values_are_sane(result):
     assert bound["flops_per_s"] > 0 and bound["target_flops"] > 0 and len(bound["mtp_step_flops"]) == 1
     assert set(bound["roofline_steps_per_s"]) == {f"{k}/{b}" for k in DEPTHS for b in BATCHES}
     for e in data["engine"]:
+        assert 0 < e["roofline_tokens_per_s"] <= e["bound_tokens_per_s"]
         assert 0 < e["roofline_speedup"] <= e["bound_speedup"] * (1 + 1e-9)
     goals = {g["id"]: g for g in data["goals"]}
     assert goals["speedup_b1"]["value"] >= 1  # best K includes K=0

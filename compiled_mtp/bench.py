@@ -6,8 +6,10 @@ What it measures (greedy decoding throughout, the same prompts for every system)
   acceptance prompt; its `stats()` give the acceptance length (tokens per request and decode step)
   and the acceptance rate per draft position;
 - tokens/s of the engine for each (K, B), and with `mtp_depth="auto"` (each step's depth chosen among
-  the measured ones): one untimed round warms every system up (loads or compiles its graphs; auto
-  learns its costs there, as a server's runtime has long before its steady state), then `--runs`
+  the measured ones): every system loads (or builds) all of its graphs first, as a server does from
+  its capture profile, since a graph first met in a timed round (auto's fill, say) would be timed
+  building; one untimed round warms every system up (auto learns its costs there, as a server's
+  runtime has long before its steady state), then `--runs`
   rounds in which the systems take turns at every batch of prompts (`turns`), so a change in memory
   speed meets them all; the best run counts, prompts * new tokens / wall seconds of the run (prefill
   included). Each row's speedup over K=0 at its B is set beside the bandwidth bound's speedup and the
@@ -65,6 +67,7 @@ from typing import TypeVar
 import torch
 
 from . import corpus, hf_baseline, llama_cpp_peer
+from .capture import parallel
 from .capture.cache import user_cache
 from .capture.compiler import BACKENDS
 from .capture.profile import DEFAULT_MODEL
@@ -407,6 +410,8 @@ def bench_engine(
     runs, peer runs, compiles, recompiles)."""
     peers = peers or {}
     runtimes = _runtimes(model, args)
+    for rt in runtimes.values():  # every graph now: one first met in a timed round would be timed building
+        parallel.ready(rt, list(rt.graphs.keys))
     acceptance = []
     for k, rt in runtimes.items():
         if isinstance(k, int) and k > 0:  # not "auto"

@@ -203,6 +203,26 @@ def test_weight_bytes_count_only_the_routed_experts_a_token_uses(echo_checkpoint
     )
 
 
+def test_every_graph_is_ready_before_any_generation(echo_checkpoint, monkeypatch):
+    """A graph first met in a timed round would be timed while it builds: every runtime holds all of
+    its graphs before it generates anything."""
+    from compiled_mtp.models.checkpoint import load_model
+
+    def ready_first(generate):
+        def checked(rt, *args):
+            assert set(rt.graphs._graphs) == set(rt.graphs.keys)
+            return generate(rt, *args)
+
+        return checked
+
+    monkeypatch.setattr(bench, "timed_generate", ready_first(bench.timed_generate))
+    monkeypatch.setattr(bench.Runtime, "generate", ready_first(bench.Runtime.generate))
+    args = _args("--backend", "eager", "--new-tokens", str(NEW_TOKENS), "--runs", "1", "--accept-prompts", "1",
+                 "--timed-prompts", "2", "--depths", "0", "2", "--batch-sizes", "2")  # fmt: skip
+    prompts = bench.Prompts([[1, 2, 3, 4]] * 2, "random", "2 random prompts")
+    bench.bench_engine(load_model(echo_checkpoint), prompts, args)
+
+
 def test_weight_flops_count_every_matrix_a_token_multiplies_by(echo_checkpoint):
     """Two operations per element of every matrix a token multiplies by: not the embedding (a row is
     gathered), not the routed experts it is not routed to, the LM head again for a draft step."""

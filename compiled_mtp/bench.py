@@ -6,12 +6,12 @@ What it measures (greedy decoding throughout, the same prompts for every system)
   acceptance prompt; its `stats()` give the acceptance length (tokens per request and decode step)
   and the acceptance rate per draft position;
 - tokens/s of the engine for each (K, B), and with `mtp_depth="auto"` (each step's depth chosen among
-  the measured ones): every system loads (or builds) all of its graphs first, as a server does from
-  its capture profile, since a graph first met in a timed round (auto's fill, say) would be timed
-  building; one untimed round warms every system up (auto learns its costs there, as a server's
-  runtime has long before its steady state), then `--runs`
-  rounds in which the systems take turns at every batch of prompts (`turns`), so a change in memory
-  speed meets them all; the best run counts, prompts * new tokens / wall seconds of the run (prefill
+  the measured ones): with a capture cache, every system loads (or builds) all of its graphs first,
+  as a server does from its capture profile, since a graph first met in a timed round (auto's fill,
+  say) would be timed building; one untimed round warms every system up (auto learns its costs
+  there, as a server's runtime has long before its steady state), then `--runs` rounds in which the
+  systems take turns at every batch of prompts (`turns`), so a change in memory speed meets them
+  all; the best run counts, prompts * new tokens / wall seconds of the run (prefill
   included). Each row's speedup over K=0 at its B is set beside the bandwidth bound's speedup and the
   fraction of it achieved. The goals' ratios of two systems, of their best runs, come with the same
   ratio taken round by round (median and range), in which a drift in memory speed between rounds

@@ -150,9 +150,7 @@ class EngineRun:
     speedup: float = 0.0  # decode_tokens_per_s over K=0's at this B (the bound counts no prefill either)
     bound_speedup: float = 0.0  # bound_tokens_per_s over K=0's
     bound_fraction: float = 0.0  # speedup / bound_speedup
-    roofline_tokens_per_s: float = (
-        0.0  # the roofline (bytes or multiply-adds) at this K, B and acceptance length
-    )
+    roofline_tokens_per_s: float = 0.0  # the roofline (bytes or multiply-adds) at this K, B and acc. length
     roofline_speedup: float = 0.0  # roofline_tokens_per_s over K=0's
     depth_histogram: dict[int, int] | None = None  # auto: decode steps run at each depth, timed runs
     decode_runs: list[float] = field(default_factory=list)  # decode tok/s of each timed run, by round

@@ -14,6 +14,14 @@ namespace compiled_mtp {
 namespace {
 constexpr int64_t LANES = PANEL_LANES;
 constexpr int64_t PANELS = 3;  // panels a thread works on at once: a row block x 3 accumulators, 3 weight vectors
+// Up to 4 rows (a verify of K = 3 at B = 1) take 6 panels at once with AVX-512: 24 sums, 6 weight
+// vectors and an input still fit its 32 registers, and each panel vector widened from bfloat16 and
+// each broadcast input then serve twice the multiply-adds (benchmarks/README.md, "Six panels").
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int64_t FEW_ROWS = 4, FEW_ROW_PANELS = 6;
+#else
+constexpr int64_t FEW_ROWS = 0, FEW_ROW_PANELS = PANELS;
+#endif
 // Bytes of each panel prefetched ahead (96 steps along `in` of float32): with the hardware's prefetch
 // alone, a cold MLP at 4-16 rows took 1.05-1.2x the time, in turns (benchmarks/README.md).
 constexpr int64_t AHEAD_BYTES = 96 * LANES * sizeof(float);
@@ -94,7 +102,7 @@ inline Vec load_lanes(const uint16_t* p) {
 #endif
 }
 
-// R rows (R <= PANEL_ROW_BLOCK) against P panels from output `col` on.
+// R rows against P panels from output `col` on: R x P sums stay in registers.
 template <int R, int P, typename W>
 void block(const float* x, const W* panels, float* out, int64_t k, int64_t n, int64_t col) {
     constexpr int64_t ahead = AHEAD_BYTES / (LANES * sizeof(W));
@@ -119,34 +127,41 @@ void block(const float* x, const W* panels, float* out, int64_t k, int64_t n, in
     }
 }
 
-template <int P, typename W>
+// Rows [0, count) of a block, count <= R, against P panels.
+template <int R, int P, typename W>
+void block_of(int64_t count, const float* x, const W* panels, float* out, int64_t k, int64_t n, int64_t col) {
+    if (count == R) block<R, P>(x, panels, out, k, n, col);
+    else if constexpr (R > 1) block_of<R - 1, P>(count, x, panels, out, k, n, col);
+}
+
+// Every row, BLOCK at a time, against P panels.
+template <int P, int BLOCK, typename W>
 void rows_against(const float* x, int64_t rows, const W* panels, float* out, int64_t k, int64_t n, int64_t col) {
-    for (int64_t r0 = 0; r0 < rows; r0 += PANEL_ROW_BLOCK) {
-        const float* xr = x + r0 * k;
-        float* o = out + r0 * n;
-        switch (std::min(PANEL_ROW_BLOCK, rows - r0)) {
-            case 1: block<1, P>(xr, panels, o, k, n, col); break;
-            case 2: block<2, P>(xr, panels, o, k, n, col); break;
-            case 3: block<3, P>(xr, panels, o, k, n, col); break;
-            case 4: block<4, P>(xr, panels, o, k, n, col); break;
-            case 5: block<5, P>(xr, panels, o, k, n, col); break;
-            case 6: block<6, P>(xr, panels, o, k, n, col); break;
-            case 7: block<7, P>(xr, panels, o, k, n, col); break;
-            default: block<8, P>(xr, panels, o, k, n, col); break;
-        }
+    for (int64_t r0 = 0; r0 < rows; r0 += BLOCK) {
+        block_of<BLOCK, P>(std::min<int64_t>(BLOCK, rows - r0), x + r0 * k, panels, out + r0 * n, k, n, col);
+    }
+}
+
+// `count` panels (count <= P) from output `col` on.
+template <int P, int BLOCK, typename W>
+void panels_of_group(int64_t count, const float* x, int64_t rows, const W* group, float* out, int64_t k, int64_t n, int64_t col) {
+    if (count == P) rows_against<P, BLOCK>(x, rows, group, out, k, n, col);
+    else if constexpr (P > 1) panels_of_group<P - 1, BLOCK>(count, x, rows, group, out, k, n, col);
+}
+
+template <int P, int BLOCK, typename W>
+void run_groups(const float* x, int64_t rows, int64_t k, const W* panels, int64_t n, float* out, int64_t q0, int64_t q1) {
+    for (int64_t p0 = q0; p0 < q1; p0 += P) {
+        panels_of_group<P, BLOCK>(std::min<int64_t>(P, q1 - p0), x, rows, panels + p0 * k * LANES, out, k, n, p0 * LANES);
     }
 }
 
 template <typename W>
 void run_panels(const float* x, int64_t rows, int64_t k, const W* panels, int64_t n, float* out, int64_t q0, int64_t q1) {
-    for (int64_t p0 = q0; p0 < q1; p0 += PANELS) {
-        const W* group = panels + p0 * k * LANES;
-        switch (std::min(PANELS, q1 - p0)) {
-            case 1: rows_against<1>(x, rows, group, out, k, n, p0 * LANES); break;
-            case 2: rows_against<2>(x, rows, group, out, k, n, p0 * LANES); break;
-            default: rows_against<3>(x, rows, group, out, k, n, p0 * LANES); break;
-        }
+    if constexpr (FEW_ROWS > 0) {
+        if (rows <= FEW_ROWS) return run_groups<FEW_ROW_PANELS, FEW_ROWS>(x, rows, k, panels, n, out, q0, q1);
     }
+    run_groups<PANELS, PANEL_ROW_BLOCK>(x, rows, k, panels, n, out, q0, q1);
 }
 
 at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& weight) {

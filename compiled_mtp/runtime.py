@@ -23,7 +23,7 @@ from .capture.cache import user_cache
 from .capture.compiler import CompiledGraphs
 from .capture.profile import DEFAULT_MODEL
 from .depth_policy import DepthPolicy
-from .graphs.plan import PREFILL, GraphKey, graph_keys, step_plan
+from .graphs.plan import PREFILL, GraphKey, StepPlan, graph_keys, step_plan
 from .graphs.state import StaticState
 from .models.checkpoint import load_model
 from .models.draft_vocab import read_ranking
@@ -161,6 +161,7 @@ class Runtime:
         self._free = list(range(buckets[-1]))[::-1]
         self._stats = _Stats()
         self._held: list[StepOutput] = []  # other requests' outputs from steps run by generate()
+        self._greedy_noise: dict[tuple[int, int], list[torch.Tensor]] = {}  # (bucket, depth) -> uniforms
 
     @classmethod
     def from_pretrained(
@@ -385,6 +386,22 @@ class Runtime:
                 noise[i] = torch.rand(width, generator=r.generator)
         return noise.to(self._device)
 
+    def _step_noise(
+        self, reqs: Sequence[_Request], bucket: int, k: int, plan: StepPlan
+    ) -> list[torch.Tensor]:
+        """draft_decode's, target_verify's and draft_extend's uniforms for a step, each request's drawn
+        at once. A batch of greedy requests takes zeros, the same tensors at every step of its bucket
+        and depth: the Python between a step's graphs runs on caches the graphs have just emptied,
+        where each tensor it makes costs microseconds."""
+        greedy = not any(r.generator is not None for r in reqs)
+        if greedy and (bucket, k) in self._greedy_noise:
+            return self._greedy_noise[bucket, k]
+        noise = self._noise(reqs, bucket, plan.uniforms)
+        columns = [noise[:, c] for c in plan.columns]  # strides as the graphs were built for
+        if greedy:
+            self._greedy_noise[bucket, k] = columns
+        return columns
+
     def _prefill(self, req: _Request) -> StepOutput:
         req.slot = self._free.pop()
         self.graphs.begin_step()
@@ -425,13 +442,12 @@ class Runtime:
         elif plan.fill and any(r.lag >= window for r in reqs):
             self._catch_up(plan.fill, reqs, slots, lens)
         start = time.perf_counter()
-        noise = self._noise(reqs, bucket, plan.uniforms)  # drawn at once; each graph takes its columns
-        decode_cols, verify_cols, extend_cols = plan.columns
+        decode_noise, verify_noise, extend_noise = self._step_noise(reqs, bucket, k, plan)
         if plan.draft_decode:
-            self.graphs(plan.draft_decode, slots, lens, noise[:, decode_cols])
-        accepted, committed, hidden = self.graphs(plan.target_verify, slots, lens, noise[:, verify_cols])
+            self.graphs(plan.draft_decode, slots, lens, decode_noise)
+        accepted, committed, hidden = self.graphs(plan.target_verify, slots, lens, verify_noise)
         if plan.draft_extend:
-            self.graphs(plan.draft_extend, slots, lens, accepted, committed, hidden, noise[:, extend_cols])
+            self.graphs(plan.draft_extend, slots, lens, accepted, committed, hidden, extend_noise)
         self._stats.steps += 1
         self._stats.depths[k] += 1
         accepted_l, committed_l = accepted.tolist(), committed.tolist()

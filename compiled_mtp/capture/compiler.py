@@ -82,7 +82,8 @@ class CompiledGraphs:
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"compile_backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
-        self.cuda_graphs = backend == "inductor" and state.target_cache.is_cuda  # Inductor replays them
+        self.on_cuda = state.target_cache.is_cuda
+        self.cuda_graphs = backend == "inductor" and self.on_cuda  # Inductor replays them
         if cache_dir is not None and self.cuda_graphs:
             raise ValueError(
                 f"cache_dir: {aot.CPU_ONLY}; leave it unset on CUDA, "
@@ -138,7 +139,7 @@ class CompiledGraphs:
             with torch.compiler.set_stance("fail_on_recompile"):
                 out = graph(*inputs)
             self.recompiles += _compiled_frames() - frames
-        if self.state.target_cache.is_cuda:
+        if self.on_cuda:
             torch.cuda.synchronize()  # graph calls return before the GPU is done: time the work
         self.seconds += time.perf_counter() - start
         self.replays[key] += 1

@@ -142,17 +142,17 @@ void rows_against(const float* x, int64_t rows, const W* panels, float* out, int
     }
 }
 
-// `count` panels (count <= P) from output `col` on.
+// `count` panels (count <= P) from output `col` on, against every row.
 template <int P, int BLOCK, typename W>
-void panels_of_group(int64_t count, const float* x, int64_t rows, const W* group, float* out, int64_t k, int64_t n, int64_t col) {
+void group_against(int64_t count, const float* x, int64_t rows, const W* group, float* out, int64_t k, int64_t n, int64_t col) {
     if (count == P) rows_against<P, BLOCK>(x, rows, group, out, k, n, col);
-    else if constexpr (P > 1) panels_of_group<P - 1, BLOCK>(count, x, rows, group, out, k, n, col);
+    else if constexpr (P > 1) group_against<P - 1, BLOCK>(count, x, rows, group, out, k, n, col);
 }
 
 template <int P, int BLOCK, typename W>
 void run_groups(const float* x, int64_t rows, int64_t k, const W* panels, int64_t n, float* out, int64_t q0, int64_t q1) {
     for (int64_t p0 = q0; p0 < q1; p0 += P) {
-        panels_of_group<P, BLOCK>(std::min<int64_t>(P, q1 - p0), x, rows, panels + p0 * k * LANES, out, k, n, p0 * LANES);
+        group_against<P, BLOCK>(std::min<int64_t>(P, q1 - p0), x, rows, panels + p0 * k * LANES, out, k, n, p0 * LANES);
     }
 }
 

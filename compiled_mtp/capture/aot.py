@@ -50,10 +50,9 @@ AOT_OPTIONS = {"aot_inductor.package_constants_in_so": False, "always_keep_tenso
 # Packages whose code ends up in the graphs (with this module, which sets how they are built).
 SOURCES = ("graphs", "models", "passes")
 FOLDED_ENTRY = "compiled_mtp_folded_constants.pt"  # in the package's extra/ folder
-# No CUDA package has loaded on a GPU machine yet: on the one tried (an H100, torch 2.11.0+cu130) the
-# compiler linked libstdc++ into every package, CPU ones too, and each crashed its loader (see
-# _check_cpp_runtime). scripts/aoti_cuda_load.py is the check to pass there before CUDA is cached.
-CPU_ONLY = "the capture cache holds CPU graphs only (no CUDA package has yet loaded on a GPU machine)"
+# CUDA packages load and run where the compiler links libstdc++ dynamically (see _check_cpp_runtime),
+# but the cache must also replay them as CUDA graphs, and that is not yet done (docs/capture.md).
+CPU_ONLY = "the capture cache holds CPU graphs only (CUDA packages are not yet replayed as CUDA graphs)"
 
 
 CPP_RUNTIMES = ("libstdc++.so", "libc++.so")  # a package's code must link one of them dynamically

@@ -15,6 +15,7 @@ import torch
 from torch._inductor.graph import GraphLowering
 
 from compiled_mtp import Runtime, SamplingParams
+from compiled_mtp.capture import parallel
 from compiled_mtp.graphs import plan, state
 from compiled_mtp.graphs.plan import GraphKey, GraphKind
 from compiled_mtp.models.checkpoint import load_model
@@ -105,6 +106,24 @@ def test_mixed_workload_after_warmup_triggers_no_recompile(noisy_echo):
     # No new graph. Replays run under the "fail_on_recompile" stance, so a recompile would have raised
     # (test_step_tensor_unlike_the_traced_one_fails_loudly) and stats()["recompiles"] never counts one.
     assert rt.stats()["compiles"] == warm
+
+
+def test_graphs_readied_before_their_first_call_build_on_it(noisy_echo):
+    """The bench readies every key before any call (`parallel.ready`); without a cache that only wraps
+    the step in torch.compile, so the first call builds, outside the stance that fails on a compile."""
+    rt = Runtime(
+        noisy_echo,
+        mtp_depth=2,
+        batch_sizes=(1,),
+        max_seq_len=48,
+        compile_backend="aot_eager",
+        prefill_chunk=8,
+    )
+    parallel.ready(rt, list(rt.graphs.keys))
+    prompts = _prompts(2)
+    assert [o.token_ids for o in rt.generate(prompts, PARAMS)] == _expected(noisy_echo, prompts)
+    stats = rt.stats()
+    assert (stats["compiles"], stats["recompiles"]) == (len(rt.graphs.keys), 0)
 
 
 @pytest.mark.parametrize("change", ["width", "dtype"])

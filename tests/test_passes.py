@@ -456,6 +456,33 @@ def test_one_row_products_of_bfloat16_weights_go_to_the_ops(
     _assert_same(before, after, state, bfloat16_model, kind, b, k, exact=False)
 
 
+@pytest.mark.parametrize(
+    "kind,b,k", [("target_verify", 1, 3), ("target_verify", 1, 1), ("draft_extend", 1, 3)]
+)
+def test_few_row_linears_of_bfloat16_weights_go_to_the_kernel_from_a_smaller_size(
+    bfloat16_model, state, monkeypatch, kind, b, k
+):
+    """On weights of bfloat16 values, linears of 2-4 rows go to panel_linear from
+    BFLOAT16_FEW_ROW_KERNEL_WEIGHT elements (the shipped model's attention projections), while those
+    of 1 row still need KERNEL_WEIGHT; smaller ones stay Inductor's multiply-and-sum. The threshold is
+    set here between the tiny model's weight sizes."""
+    before, _ = _graphs(kind, b, k, bfloat16_model, state, ())
+    mms = [n for n in before.graph.nodes if n.target in (aten.mm.default, aten.addmm.default)]
+    linears = [
+        (n.args[-2].meta["val"].shape[0], n.args[-1].args[0].meta["val"].numel())
+        for n in mms
+        if n.args[-1].target is aten.permute.default
+    ]
+    few = sorted(w for r, w in linears if 2 <= r <= 4)
+    threshold = few[len(few) // 2]
+    monkeypatch.setattr(narrow_linear, "BFLOAT16_FEW_ROW_KERNEL_WEIGHT", threshold)
+    monkeypatch.setattr(narrow_linear, "KERNEL_WEIGHT", max(w for _, w in linears) + 1)
+    _, after = _graphs(kind, b, k, bfloat16_model, state, ("narrow_linear",))
+    taken = sum(w >= threshold for w in few)
+    assert 0 < taken < len(few) and _count(after, PANELS) == taken
+    _assert_same(before, after, state, bfloat16_model, kind, b, k, exact=False)
+
+
 def test_dense_mlp_that_disagrees_with_the_op_stays(model, state, monkeypatch, caplog):
     _replace_op(monkeypatch, "fuse_dense_mlp", lambda x, *args: torch.zeros_like(x))
     before, after = _graphs("target_verify", 1, 3, model, state, ("fuse_dense_mlp",))

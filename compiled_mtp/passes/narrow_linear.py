@@ -27,7 +27,9 @@ elements the shipped model's MLP weights went too and its 4-row verify took 1.53
 there the call costs more than the arithmetic saves. At 1 row a separate call made the 250m verify
 1.2-2.5 ms slower (Inductor's code fuses the LM head with the final norm), so 1 row stays here,
 unless the weights hold bfloat16 values (passes/weights.py): then the op reads bfloat16 panels, half
-the bytes, which pays for the call (docs/passes.md).
+the bytes, which pays for the call (docs/passes.md). On such weights at 2-4 rows the op also takes
+weights down to BFLOAT16_FEW_ROW_KERNEL_WEIGHT elements, the shipped model's attention projections
+(20480-32768): its K=3 decode step took 0.90-0.92x the time (benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ NARROW_ROWS = 4  # the most rows this pass takes; panel_linear takes 5-16
 KERNEL_WEIGHT = 1 << 18
 KERNEL_ROWS = 2
 BFLOAT16_KERNEL_ROWS = 1  # on weights of bfloat16 values (weights.py), whose panels are half the bytes
+# On 2-4 rows of bfloat16 values, weights down to the attention projections' size pay for the call:
+# half the bytes, and 4 rows x 6 panels of sums in registers against Inductor's per-output sums.
+BFLOAT16_FEW_ROW_KERNEL_WEIGHT = 1 << 14
 
 
 class NarrowLinear(CustomGraphPass):
@@ -67,13 +72,18 @@ class NarrowLinear(CustomGraphPass):
     def uuid(self) -> str:
         return get_hash_for_files(
             (__file__,),
-            f"{NARROW_ROWS}/{KERNEL_WEIGHT}/{KERNEL_ROWS}/{BFLOAT16_KERNEL_ROWS}/{library.version()}",
+            f"{NARROW_ROWS}/{KERNEL_WEIGHT}/{KERNEL_ROWS}/{BFLOAT16_KERNEL_ROWS}/"
+            f"{BFLOAT16_FEW_ROW_KERNEL_WEIGHT}/{library.version()}",
         ).hex()
 
 
 def _narrow(graph: fx.Graph, lin: LinearNode, kernel: bool) -> fx.Node:
-    least = BFLOAT16_KERNEL_ROWS if BFLOAT16_VALUES.get() else KERNEL_ROWS
-    if kernel and lin.weight_size >= KERNEL_WEIGHT and lin.rows >= least:
+    halves = BFLOAT16_VALUES.get()
+    least = BFLOAT16_KERNEL_ROWS if halves else KERNEL_ROWS
+    smallest = KERNEL_WEIGHT
+    if halves and lin.rows > 1:
+        smallest = min(smallest, BFLOAT16_FEW_ROW_KERNEL_WEIGHT)
+    if kernel and lin.weight_size >= smallest and lin.rows >= least:
         return call(graph, torch.ops.compiled_mtp.panel_linear.default, lin.x, lin.weight)
     return _multiply_and_sum(graph, lin)
 

@@ -45,6 +45,12 @@ def _expected(model, prompts, max_new=10):
     return [reference_generate(model, [p], max_new, 0)[0].token_ids for p in prompts]
 
 
+def _one_bucket(model, depth: int) -> Runtime:
+    return Runtime(
+        model, mtp_depth=depth, batch_sizes=(1,), max_seq_len=48, compile_backend="aot_eager", prefill_chunk=8
+    )
+
+
 def test_every_key_traces_whole_and_matches_reference(noisy_echo):
     rt = Runtime(
         noisy_echo,
@@ -111,14 +117,7 @@ def test_mixed_workload_after_warmup_triggers_no_recompile(noisy_echo):
 def test_graphs_readied_before_their_first_call_build_on_it(noisy_echo):
     """The bench readies every key before any call (`parallel.ready`); without a cache that only wraps
     the step in torch.compile, so the first call builds, outside the stance that fails on a compile."""
-    rt = Runtime(
-        noisy_echo,
-        mtp_depth=2,
-        batch_sizes=(1,),
-        max_seq_len=48,
-        compile_backend="aot_eager",
-        prefill_chunk=8,
-    )
+    rt = _one_bucket(noisy_echo, depth=2)
     parallel.ready(rt, list(rt.graphs.keys))
     prompts = _prompts(2)
     assert [o.token_ids for o in rt.generate(prompts, PARAMS)] == _expected(noisy_echo, prompts)
@@ -131,14 +130,7 @@ def test_step_tensor_unlike_the_traced_one_fails_loudly(noisy_echo, change):
     """Graphs skip Dynamo's guards on the model's and the state's modules, which never change after
     capture, but keep those on the step tensors: a call with noise of another width or dtype than
     its key traced raises instead of running the graph."""
-    rt = Runtime(
-        noisy_echo,
-        mtp_depth=1,
-        batch_sizes=(1,),
-        max_seq_len=48,
-        compile_backend="aot_eager",
-        prefill_chunk=8,
-    )
+    rt = _one_bucket(noisy_echo, depth=1)
     rt.generate(_prompts(1), PARAMS)
     key = GraphKey(GraphKind.target_verify, 1, 1)
     assert rt.graphs.replays[key] > 0

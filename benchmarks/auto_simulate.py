@@ -68,6 +68,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--noise", type=float, nargs="+", default=[0.0, 0.2])
     parser.add_argument("--drift", type=float, nargs="+", default=[0.0, 0.03])
+    parser.add_argument(
+        "--switch", type=float, default=0.0, help="a step's extra cost after a change of depth (0.05: 5%%)"
+    )
     parser.add_argument("--seeds", type=int, default=16)
     parser.add_argument("--rev", action="append", default=[], help="a commit whose policy runs too")
     parser.add_argument(
@@ -100,6 +103,7 @@ def main() -> None:
                 warm_up=args.warm_up,
                 policy=policy,
                 trace=trace,
+                switch=args.switch,
                 **settings,
             )
             for s in range(args.seeds)

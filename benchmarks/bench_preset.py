@@ -152,6 +152,7 @@ def simulate(
     warm_up: int = 0,
     policy: type[DepthPolicy] = DepthPolicy,
     trace: list[list[int]] | None = None,
+    switch: float = 0.0,
     **settings: float,
 ) -> dict:
     """Tokens/s of B requests of `tokens` tokens each, with drafts accepted at `rates` per position,
@@ -163,14 +164,15 @@ def simulate(
     warms up on a round of them). With `trace` (for each request, the drafts a K=3 step accepts with g tokens
     generated, at g = 1.., from benchmarks/acceptance_trace.py), every request of the trace is served
     instead, B at a time in a seeded order, accepting what its text accepts; `tokens` and `rates` are
-    then unused."""
+    then unused. A step at another depth than the step before costs `switch` more (0.05: 5%), as the
+    first step of other graphs does on a real machine."""
     chooser = policy(sorted(costs), **settings)
     speed = _speed_path(seed, drift)
     result: dict = {}
     for offset, served in ([(1 << 20, warm_up)] if warm_up else []) + [(0, None)]:
         rng = random.Random(seed + offset)
         groups = _groups(batch, tokens, rates, trace, rng)[:served]
-        result = _serve(chooser, batch, costs, groups, rng, noise, speed)
+        result = _serve(chooser, batch, costs, groups, rng, noise, speed, switch)
     return result
 
 
@@ -209,6 +211,7 @@ def _serve(
     rng: random.Random,
     noise: float,
     speed: tuple[float, ...],
+    switch: float,
 ) -> dict:
     depths, seconds, chosen = policy.depths, 0.0, []
     for group in groups:
@@ -228,6 +231,7 @@ def _serve(
                 policy.observe(own[i], k, accepted)
             moment = speed[min(int(seconds * 1e3), len(speed) - 1)]
             step = costs[k] / 1e3 * moment * (1 + noise * rng.uniform(-1, 1))
+            step *= 1 + switch * (bool(chosen) and chosen[-1] != k)
             seconds += step
             policy.record_cost(batch, k, step)
             chosen.append(k)

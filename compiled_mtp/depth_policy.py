@@ -55,7 +55,11 @@ Working a choice out takes tens of microseconds of Python at a large batch, abou
 A batch holding depth 0 moves none of the choice's inputs (its steps test no draft and, steady, time
 no cost anew), so until a probe falls due, a request leaves or joins, one nears its last tokens, or a
 cost or catch-up is timed anew, the policy repeats its choice without working it out again: the same
-choice, exactly.
+choice, exactly. At K > 0 every step tests drafts, so the rates move at every step, and working the
+choice out each time cost 2% of a step at B=1 as well. Each step moves a request's rate at a position
+by request_alpha at most, and the choice changes only when another depth's value beats the current
+one's by the margin, so while nothing but the rates and the drafts tested move, the choice is worked
+out again every `recheck_every` steps: a change of depth comes up to recheck_every - 1 steps late.
 """
 
 from __future__ import annotations
@@ -68,10 +72,10 @@ from collections.abc import Sequence
 from functools import partial
 
 Key = tuple[int, int]  # (bucket, depth)
-# A choice's inputs besides the rates, the requests' rates, the tokens wanted that no cap reaches, and
-# the last step it holds to.
-Hold = tuple[object, list[tuple[float, ...]], float, float]
-NO_HOLD: Hold = (None, [], math.inf, -math.inf)
+# A choice's inputs besides the rates, the requests' rates, the drafts tested by then, the tokens wanted
+# that no cap reaches, the last step it holds to, and the last it holds to while the rates move.
+Hold = tuple[object, list[tuple[float, ...]], int, float, float, float]
+NO_HOLD: Hold = (None, [], -1, math.inf, -math.inf, -math.inf)
 UNTIMED_CALLS = 2  # a key's first calls, never counted in its cost
 PSEUDO_STEPS = 16  # the pooled history's weight, in steps, in a depth's own acceptance rates
 CALIBRATE_AFTER = 64  # calibration() is worked out again after a 64th more drafts were tested
@@ -108,6 +112,7 @@ class DepthPolicy:
         close_probe_every: int = 16,
         probe_share: float = 0.005,
         probe_most: int = 512,
+        recheck_every: int = 4,
     ) -> None:
         self.depths = tuple(sorted(depths))
         self.request_alpha = request_alpha
@@ -120,6 +125,7 @@ class DepthPolicy:
         self.close_probe_every = close_probe_every
         self.probe_share = probe_share
         self.probe_most = probe_most
+        self.recheck_every = recheck_every
         self.current = self.depths[-1]
         self._soonest = min(close_probe_every, probe_every)  # no depth is probed sooner
         self._timed: set[int] = set()  # buckets whose every key has a cost
@@ -241,16 +247,19 @@ class DepthPolicy:
             self._timed.add(bucket)  # a cost, once measured, is only ever replaced
         # The choice rests on the requests' rates, the drafts tested, the costs and, through the cap,
         # the tokens each still wants (the module's docstring: a batch holding depth 0 moves none).
-        inputs = (bucket, self._observed, self._changes, len(set(remaining)) == 1)
-        held, held_rates, uncapped, until = self._hold
-        # The rates are compared last: at K > 0 every step tests drafts, so `inputs` differ already.
+        # The requests' own rate lists (observe updates them in place): a request that left or joined
+        # ends a hold, however alike the rates.
+        inputs = (bucket, self._changes, tuple(map(id, rates)), len(set(remaining)) == 1)
+        held, held_rates, observed, uncapped, until, settled = self._hold
+        step = self._steps[bucket] + 1
+        # The rates are compared last: at K > 0 every step tests drafts, so they differ already.
         if (
             inputs == held
-            and self._steps[bucket] + 1 <= until
+            and step <= until
             and min(remaining) >= uncapped
-            and [tuple(r) for r in rates] == held_rates
+            and (step <= settled or (self._observed == observed and [tuple(r) for r in rates] == held_rates))
         ):
-            self._steps[bucket] += 1
+            self._steps[bucket] = step
             return self.current
         tokens = self.expected(rates, remaining)
         value = {k: tokens[k] / self._cost[bucket, k] for k in self.depths}
@@ -267,7 +276,12 @@ class DepthPolicy:
         uncapped = (self.depths[-1] + 1) * max(self.calibration().values())
         until = min(due.values(), default=math.inf)
         holds = not probes and min(remaining) >= uncapped
-        self._hold = (inputs, [tuple(r) for r in rates], uncapped, until) if holds else NO_HOLD
+        settled = self._steps[bucket] + self.recheck_every - 1
+        self._hold = (
+            (inputs, [tuple(r) for r in rates], self._observed, uncapped, until, settled)
+            if holds
+            else NO_HOLD
+        )
         return max(probes, key=value.__getitem__, default=self.current)
 
     def _due_after(

@@ -322,7 +322,8 @@ def _serve_both(
     30%, a catch-up before a step at K > 0 after depth 0, requests of 20-120 tokens replaced as they
     finish) beside a twin that works out every choice afresh. Returns each step's pair of choices
     and how many of the policy's choices repeated a held one."""
-    policy, fresh = DepthPolicy((0, 1, 2, 3)), DepthPolicy((0, 1, 2, 3))
+    # Every choice held only while all its inputs stand (next test for those held while rates move).
+    policy, fresh = DepthPolicy((0, 1, 2, 3), recheck_every=1), DepthPolicy((0, 1, 2, 3))
     random = np.random.default_rng(seed)
     requests: list[list] = []  # [wanted, policy's rates, twin's rates]
     pairs, held, last = [], 0, None
@@ -375,6 +376,38 @@ def test_a_held_choice_is_the_one_worked_out_afresh_in_near_ties(batch):
     for seed in range(20):
         pairs, _ = _serve_both(seed, batch, [0.8, 0.6, 0.5], {0: 1.0, 1: 1.8, 2: 2.3, 3: 2.7}, 300)
         assert [a for a, _ in pairs] == [b for _, b in pairs], f"seed {seed}"
+
+
+def _served_lone(recheck_every: int) -> tuple[list[int], list[int]]:
+    """A lone request's depths over 60 steps, every draft accepted for 31 steps and none after, and
+    the steps at which its choice was worked out."""
+    policy = DepthPolicy((0, 1, 2, 3), recheck_every=recheck_every, close=0.0, probe_every=1000)
+    costs = {0: 1.0, 1: 1.3, 2: 1.5, 3: 1.7}
+    _measured(policy, 1, costs)
+    chosen: list[int] = []
+    worked: list[int] = []
+    expected = policy.expected
+    policy.expected = lambda *args: worked.append(len(chosen)) or expected(*args)  # type: ignore[method-assign]
+    rates = [0.9, 0.8, 0.7]
+    for step in range(60):
+        k = policy.choose(1, [rates], [100])
+        chosen.append(k)
+        policy.observe(rates, k, k if step < 31 else 0)
+        policy.record_cost(1, k, costs[k])
+    return chosen, worked
+
+
+def test_at_k_above_0_a_choice_is_worked_out_again_every_recheck_every_steps():
+    """At K > 0 the rates move at every step. With nothing else moving, the choice is worked out at
+    every 4th step, and when acceptance collapses the depth drops at most 3 steps after it does for a
+    policy that works every choice out."""
+    chosen, worked = _served_lone(4)
+    every, every_worked = _served_lone(1)
+    assert chosen[:30] == every[:30] == [3] * 30 and every_worked[:30] == list(range(30))
+    assert [step for step in worked if step < 30] == list(range(0, 30, 4))
+    fresh_drop = next(step for step, k in enumerate(every) if k != 3)
+    drop = next(step for step, k in enumerate(chosen) if k != 3)
+    assert 31 < fresh_drop < drop <= fresh_drop + 3  # 41 and 44: worked out at step 40, then 44
 
 
 def test_a_batch_holding_depth_0_works_its_choice_out_only_when_a_probe_falls_due():

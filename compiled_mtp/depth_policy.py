@@ -30,7 +30,14 @@ timed step, in a row, at one speed. The depth changes only when another's value 
 by `margin` (hysteresis: a near tie is within the noise of the estimates), or by `zero_margin` for a
 change to or from depth 0, which costs more than the steps it is timed on: leaving depth 0 first runs
 the MTP catch-up, and the requests of a batch that drafts finish at different steps, so its last steps
-run the bucket for fewer rows.
+run the bucket for fewer rows. The current depth is each bucket's own: a batch whose last request
+runs alone at depth 3 comes back to its own depth 0 with the margin counted from there.
+
+Requests that want the same number of tokens (a batch generated together) finish together at depth
+0; drafting sets them apart, and the batch's last steps then run for its last requests alone. So each
+K > 0 is valued over the steps the batch would take at it (the tokens wanted over the expected tokens
+a step) and `sync_steps` more: at B=4, 64 new tokens each, the fixed depths took 1.5-3 steps more a
+batch than their expected tokens a step account for (benchmarks/README.md).
 
 A cost is only as current as the last step run at that key: a depth that lost once would never be
 measured again. So every depth not run for `probe_every` steps of a bucket runs one step; every depth
@@ -113,6 +120,7 @@ class DepthPolicy:
         probe_share: float = 0.005,
         probe_most: int = 512,
         recheck_every: int = 4,
+        sync_steps: float = 2.0,
     ) -> None:
         self.depths = tuple(sorted(depths))
         self.request_alpha = request_alpha
@@ -126,7 +134,9 @@ class DepthPolicy:
         self.probe_share = probe_share
         self.probe_most = probe_most
         self.recheck_every = recheck_every
-        self.current = self.depths[-1]
+        self.sync_steps = sync_steps
+        self.current = self.depths[-1]  # the depth held by the bucket of the last choice
+        self._held_by: dict[int, int] = {}  # the depth each bucket holds
         self._soonest = min(close_probe_every, probe_every)  # no depth is probed sooner
         self._timed: set[int] = set()  # buckets whose every key has a cost
         self._changes = 0  # costs and catch-ups measured anew: the choice's inputs besides a batch's
@@ -247,6 +257,7 @@ class DepthPolicy:
             self._timed.add(bucket)  # a cost, once measured, is only ever replaced
         # The choice rests on the requests' rates, the drafts tested, the costs and, through the cap,
         # the tokens each still wants (the module's docstring: a batch holding depth 0 moves none).
+        self.current = self._held_by.get(bucket, self.current)
         # The requests' own rate lists (observe updates them in place): a request that left or joined
         # ends a hold, however alike the rates.
         inputs = (bucket, self._changes, tuple(map(id, rates)), len(set(remaining)) == 1)
@@ -263,10 +274,13 @@ class DepthPolicy:
             return self.current
         tokens = self.expected(rates, remaining)
         value = {k: tokens[k] / self._cost[bucket, k] for k in self.depths}
+        if len(remaining) > 1 and len(set(remaining)) == 1:
+            self._desync(value, tokens, sum(remaining))
         best = max(value, key=value.__getitem__)
         margin = self.zero_margin if 0 in (best, self.current) else self.margin
         if value[best] > value[self.current] * (1 + margin):
             self.current = best
+        self._held_by[bucket] = self.current
         self._steps[bucket] += 1
         due = {
             k: self._due_after(bucket, k, tokens, value, remaining) for k in self.depths if k != self.current
@@ -283,6 +297,15 @@ class DepthPolicy:
             else NO_HOLD
         )
         return max(probes, key=value.__getitem__, default=self.current)
+
+    def _desync(self, value: dict[int, float], tokens: dict[int, float], wanted: int) -> None:
+        """Requests that want the same number of tokens finish together at depth 0; drafting sets
+        them apart, and the batch's last steps then run for its last requests alone: about sync_steps
+        steps more than its tokens over its expected tokens a step. Each K > 0 is valued over them."""
+        for k in self.depths:
+            if k:
+                steps = wanted / tokens[k]
+                value[k] *= steps / (steps + self.sync_steps)
 
     def _due_after(
         self, bucket: int, k: int, tokens: dict[int, float], value: dict[int, float], remaining: Sequence[int]

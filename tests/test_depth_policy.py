@@ -64,7 +64,9 @@ def test_every_depth_is_measured_before_any_is_chosen_on_merit():
 @given(
     costs=st.lists(st.floats(1e-4, 1e-2), min_size=4, max_size=4),
     rates=st.lists(rates_st, min_size=1, max_size=4),
-    remaining=st.lists(st.integers(1, 64), min_size=4, max_size=4),
+    remaining=st.one_of(
+        st.lists(st.integers(1, 64), min_size=4, max_size=4), st.integers(1, 64).map(lambda n: [n] * 4)
+    ),
     current=st.integers(0, 3),
 )
 def test_choice_is_the_best_value_unless_the_current_one_is_within_the_margin(
@@ -74,9 +76,11 @@ def test_choice_is_the_best_value_unless_the_current_one_is_within_the_margin(
     _measured(policy, 4, dict(enumerate(costs)))
     policy.current = current
     remaining = remaining[: len(rates)]
-    value = {
-        k: sum(min(expected_tokens(r, k), n) for r, n in zip(rates, remaining)) / costs[k] for k in range(4)
-    }
+    tokens = {k: sum(min(expected_tokens(r, k), n) for r, n in zip(rates, remaining)) for k in range(4)}
+    value = {k: tokens[k] / costs[k] for k in range(4)}
+    if len(remaining) > 1 and len(set(remaining)) == 1:  # drafting would set them apart
+        steps = {k: sum(remaining) / tokens[k] for k in range(4)}
+        value = {k: value[k] * (steps[k] / (steps[k] + 2) if k else 1) for k in range(4)}
     chosen = policy.choose(4, rates, remaining)
     best = max(value.values())
     top = max(range(4), key=lambda k: value[k])
@@ -93,6 +97,34 @@ def test_speculation_is_chosen_when_it_pays_and_dropped_when_it_does_not():
     assert policy.choose(1, [[0.9, 0.8, 0.7]], [100]) == 3  # 3.23 tokens for 1.7 against 1 for 1.0
     assert policy.choose(1, [[0.1, 0.1, 0.1]], [100]) == 0  # drafts rejected: K=0 wins
     assert policy.choose(1, [[0.9, 0.8, 0.7]], [1]) == 0  # one token left: drafting cannot help
+
+
+def test_each_bucket_holds_its_own_depth():
+    """A batch of 4 holds depth 0, 3% ahead of depth 1: within the margin for a change to or from
+    depth 0. Its last request then runs alone, at depth 3. Back at 4 requests, the margin counts
+    from the depth the bucket of 4 held, not from the lone request's depth 3."""
+    policy = DepthPolicy((0, 1, 3))
+    policy.current = 0
+    _measured(policy, 4, {0: 1.0, 1: 1.79, 3: 3.0})  # at 4 requests of rate 0.84: 1.84 tokens for 1.79
+    _measured(policy, 1, {0: 1.0, 1: 1.2, 3: 1.5})
+    four, one = [[0.84, 0.7, 0.6]] * 4, [[0.84, 0.7, 0.6]]
+    assert policy.choose(4, four, [50, 51, 52, 53]) == 0  # 4 against 4 * 1.84 / 1.79 = 4.11: held
+    assert policy.choose(1, one, [40]) == 3
+    assert policy.choose(4, four, [30, 31, 32, 33]) == 0  # from depth 3, depth 1 would have been best
+    assert policy.choose(1, one, [20]) == 3
+
+
+def test_requests_finishing_together_value_drafting_over_the_steps_it_adds():
+    """Requests that want the same number of tokens finish together at depth 0. Drafting sets them
+    apart: each K > 0 is valued over its steps and sync_steps more. Depth 1 beats depth 0 by 10% a
+    step here; for 4 requests that want 20 tokens each, 43.5 steps and 2 more at depth 1 bring it
+    under depth 0, so depth 0 holds; wanting 20 to 23 tokens, they are already apart."""
+    policy = DepthPolicy((0, 1))
+    policy.current = 0
+    _measured(policy, 4, {0: 1.0, 1: 1.672})  # 4 x 1.84 tokens for 1.672: 4.40 a unit, against 4.0
+    rates = [[0.84]] * 4
+    assert policy.choose(4, rates, [20] * 4) == 0
+    assert policy.choose(4, rates, [20, 21, 22, 23]) == 1
 
 
 def test_costs_follow_the_measurements():

@@ -37,7 +37,9 @@ Requests that want the same number of tokens (a batch generated together) finish
 0; drafting sets them apart, and the batch's last steps then run for its last requests alone. So each
 K > 0 is valued over the steps the batch would take at it (the tokens wanted over the expected tokens
 a step) and `sync_steps` more: at B=4, 64 new tokens each, the fixed depths took 1.5-3 steps more a
-batch than their expected tokens a step account for (benchmarks/README.md).
+batch than their expected tokens a step account for (benchmarks/README.md). That counts what
+zero_margin stood for, so such a batch changes to or from depth 0 at `margin`; at a batch's first
+step it runs no catch-up either, since each prefill ran the MTP layer.
 
 A cost is only as current as the last step run at that key: a depth that lost once would never be
 measured again. So every depth not run for `probe_every` steps of a bucket runs one step; every depth
@@ -274,10 +276,11 @@ class DepthPolicy:
             return self.current
         tokens = self.expected(rates, remaining)
         value = {k: tokens[k] / self._cost[bucket, k] for k in self.depths}
-        if len(remaining) > 1 and len(set(remaining)) == 1:
+        together = len(remaining) > 1 and len(set(remaining)) == 1
+        if together:
             self._desync(value, tokens, sum(remaining))
         best = max(value, key=value.__getitem__)
-        margin = self.zero_margin if 0 in (best, self.current) else self.margin
+        margin = self.zero_margin if 0 in (best, self.current) and not together else self.margin
         if value[best] > value[self.current] * (1 + margin):
             self.current = best
         self._held_by[bucket] = self.current

@@ -78,13 +78,14 @@ def test_choice_is_the_best_value_unless_the_current_one_is_within_the_margin(
     remaining = remaining[: len(rates)]
     tokens = {k: sum(min(expected_tokens(r, k), n) for r, n in zip(rates, remaining)) for k in range(4)}
     value = {k: tokens[k] / costs[k] for k in range(4)}
-    if len(remaining) > 1 and len(set(remaining)) == 1:  # drafting would set them apart
+    together = len(remaining) > 1 and len(set(remaining)) == 1
+    if together:  # drafting would set them apart
         steps = {k: sum(remaining) / tokens[k] for k in range(4)}
         value = {k: value[k] * (steps[k] / (steps[k] + 2) if k else 1) for k in range(4)}
     chosen = policy.choose(4, rates, remaining)
     best = max(value.values())
     top = max(range(4), key=lambda k: value[k])
-    margin = 0.05 if 0 in (top, current) else 0.03  # a change to or from depth 0 needs more
+    margin = 0.05 if 0 in (top, current) and not together else 0.03  # a change to or from depth 0 needs more
     if value[current] * (1 + margin) >= best:
         assert chosen == current
     else:
@@ -125,6 +126,16 @@ def test_requests_finishing_together_value_drafting_over_the_steps_it_adds():
     rates = [[0.84]] * 4
     assert policy.choose(4, rates, [20] * 4) == 0
     assert policy.choose(4, rates, [20, 21, 22, 23]) == 1
+
+
+def test_requests_finishing_together_leave_a_depth_for_depth_0_at_the_ordinary_margin():
+    """Valued over the steps that setting them apart adds, a depth no longer needs zero_margin to
+    give way to depth 0: here depth 0 beats depth 1 by 3% (4 against 3.88 a unit for 4 requests
+    that want 40 tokens each), over `margin` (2%) but under zero_margin (5%)."""
+    policy = DepthPolicy((0, 1), margin=0.02, zero_margin=0.05)
+    policy.current = 1
+    _measured(policy, 4, {0: 1.0, 1: 1.7358})
+    assert policy.choose(4, [[0.84]] * 4, [40] * 4) == 0
 
 
 def test_costs_follow_the_measurements():

@@ -46,7 +46,10 @@ measured again. So every depth not run for `probe_every` steps of a bucket runs 
 within `close` of the current one's value runs every `close_probe_every` steps: a near tie is what one
 noisy measurement decides wrongly, and a probe of a depth worth nearly as much costs nearly nothing. So
 does a depth whose last timing alone would beat the current one, however far behind its median puts it:
-two more timings outvote the older ones. Of the depths due, the most valuable runs first.
+two more timings outvote the older ones. Across depth 0 such a probe runs a catch-up, so there the
+last timing must beat the current depth by the margin a change needs: at B=4, where K=1-2 nearly tie
+with K=0 a step, one fast timing of each had them probed from K=0 every 16 steps, a catch-up each.
+Of the depths due, the most valuable runs first.
 
 A probe of a depth far behind costs more: its step takes longer than the current depth would for the
 same tokens. So does any probe across depth 0, near tie or not: leaving depth 0 first runs the MTP
@@ -280,13 +283,14 @@ class DepthPolicy:
         if together:
             self._desync(value, tokens, sum(remaining))
         best = max(value, key=value.__getitem__)
-        margin = self.zero_margin if 0 in (best, self.current) and not together else self.margin
-        if value[best] > value[self.current] * (1 + margin):
+        if value[best] > value[self.current] * (1 + self._margin(best, together)):
             self.current = best
         self._held_by[bucket] = self.current
         self._steps[bucket] += 1
         due = {
-            k: self._due_after(bucket, k, tokens, value, remaining) for k in self.depths if k != self.current
+            k: self._due_after(bucket, k, value, remaining, together)
+            for k in self.depths
+            if k != self.current
         }
         probes = [k for k, after in due.items() if self._steps[bucket] > after]
         # A request that wants this many tokens or more counts its expected tokens uncapped.
@@ -310,8 +314,12 @@ class DepthPolicy:
                 steps = wanted / tokens[k]
                 value[k] *= steps / (steps + self.sync_steps)
 
+    def _margin(self, k: int, together: bool) -> float:
+        """How much better depth k's value must be than the current depth's to replace it."""
+        return self.zero_margin if 0 in (k, self.current) and not together else self.margin
+
     def _due_after(
-        self, bucket: int, k: int, tokens: dict[int, float], value: dict[int, float], remaining: Sequence[int]
+        self, bucket: int, k: int, value: dict[int, float], remaining: Sequence[int], together: bool
     ) -> float:
         """The bucket's step after which a probe of depth k is due (at the shortest wait when that
         has not passed yet, without working out which wait applies)."""
@@ -321,7 +329,10 @@ class DepthPolicy:
         # A probe to or from depth 0 runs a catch-up: it costs more than a near tie's step
         near = value[k] * (1 + self.close) >= value[self.current] and 0 not in (k, self.current)
         every = self.close_probe_every if near else self._far_every(bucket, k, value, remaining)
-        if tokens[k] / self._samples[bucket, k][-1] > value[self.current]:
+        last = value[k] * self._cost[bucket, k] / self._samples[bucket, k][-1]  # valued at its last timing
+        # Across depth 0 a probe runs a catch-up (and may set apart requests that finish together):
+        # worth it where its last timing would change the depth, not merely beat the current one.
+        if last > value[self.current] * (1 + (self._margin(k, together) if 0 in (k, self.current) else 0)):
             every = min(every, self.close_probe_every)  # its last timing alone would win
         return measured + every
 

@@ -358,6 +358,18 @@ def test_a_depth_whose_last_timing_would_win_is_probed_again_soon(true_cost, spa
         assert policy.current == 0 and len(probes) == 2
 
 
+def test_a_probe_across_depth_0_comes_soon_only_if_its_last_timing_would_change_the_depth():
+    """As above, but depth 1's probe comes out at 1.786, 3% better than depth 0 on that timing alone:
+    within zero_margin, so it would not change the depth. A probe across depth 0 runs a catch-up,
+    so the next one waits the loss rule's 111 steps (then 65, on the median of three), not 17."""
+    policy = DepthPolicy((0, 1), close=0.0, probe_every=64, close_probe_every=16, probe_share=0.005)
+    _measured(policy, 4, {0: 1.0, 1: 3.0})
+    costs = {0: 1.0, 1: 1.786}
+    chosen = _served(policy, 4, [[0.84]], 500, lambda step, k: costs[k])
+    assert [step for step, k in enumerate(chosen) if k == 1] == [232, 343, 408, 473]
+    assert policy.current == 0
+
+
 def _serve_both(
     seed: int, batch: int, rates: list[float], costs: dict[int, float], steps: int
 ) -> tuple[list, int]:

@@ -265,7 +265,8 @@ class DepthPolicy:
         self.current = self._held_by.get(bucket, self.current)
         # The requests' own rate lists (observe updates them in place): a request that left or joined
         # ends a hold, however alike the rates.
-        inputs = (bucket, self._changes, tuple(map(id, rates)), len(set(remaining)) == 1)
+        together = len(remaining) > 1 and len(set(remaining)) == 1  # they would finish together at K=0
+        inputs = (bucket, self._changes, tuple(map(id, rates)), together)
         held, held_rates, observed, uncapped, until, settled = self._hold
         step = self._steps[bucket] + 1
         # The rates are compared last: at K > 0 every step tests drafts, so they differ already.
@@ -279,7 +280,6 @@ class DepthPolicy:
             return self.current
         tokens = self.expected(rates, remaining)
         value = {k: tokens[k] / self._cost[bucket, k] for k in self.depths}
-        together = len(remaining) > 1 and len(set(remaining)) == 1
         if together:
             self._desync(value, tokens, sum(remaining))
         best = max(value, key=value.__getitem__)

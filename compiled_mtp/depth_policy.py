@@ -36,8 +36,8 @@ runs alone at depth 3 comes back to its own depth 0 with the margin counted from
 Requests that want the same number of tokens (a batch generated together) finish together at depth
 0; drafting sets them apart, and the batch's last steps then run for its last requests alone. So each
 K > 0 is valued over the steps the batch would take at it (the tokens wanted over the expected tokens
-a step) and `sync_steps` more: at B=4, 64 new tokens each, the fixed depths took 1.5-3 steps more a
-batch than their expected tokens a step account for (benchmarks/README.md). That counts what
+a step) and `sync_steps` more, about what the fixed depths took beyond that at B=4
+(benchmarks/README.md). That counts what
 zero_margin stood for, so such a batch changes to or from depth 0 at `margin`; at a batch's first
 step it runs no catch-up either, since each prefill ran the MTP layer.
 
@@ -47,8 +47,8 @@ within `close` of the current one's value runs every `close_probe_every` steps: 
 noisy measurement decides wrongly, and a probe of a depth worth nearly as much costs nearly nothing. So
 does a depth whose last timing alone would beat the current one, however far behind its median puts it:
 two more timings outvote the older ones. Across depth 0 such a probe runs a catch-up, so there the
-last timing must beat the current depth by the margin a change needs: at B=4, where K=1-2 nearly tie
-with K=0 a step, one fast timing of each had them probed from K=0 every 16 steps, a catch-up each.
+last timing must beat the current depth by the margin a change needs: where depths nearly tie with
+K=0 a step (B=4 here), one fast timing each would have them probed every 16 steps, a catch-up each.
 Of the depths due, the most valuable runs first.
 
 A probe of a depth far behind costs more: its step takes longer than the current depth would for the
@@ -67,11 +67,11 @@ Working a choice out takes tens of microseconds of Python at a large batch, abou
 A batch holding depth 0 moves none of the choice's inputs (its steps test no draft and, steady, time
 no cost anew), so until a probe falls due, a request leaves or joins, one nears its last tokens, or a
 cost or catch-up is timed anew, the policy repeats its choice without working it out again: the same
-choice, exactly. At K > 0 every step tests drafts, so the rates move at every step, and working the
-choice out each time cost 2% of a step at B=1 as well. Each step moves a request's rate at a position
-by request_alpha at most, and the choice changes only when another depth's value beats the current
-one's by the margin, so while nothing but the rates and the drafts tested move, the choice is worked
-out again every `recheck_every` steps: a change of depth comes up to recheck_every - 1 steps late.
+choice, exactly. At K > 0 every step tests drafts, so the rates move at every step. Each step moves
+a request's rate at a position by request_alpha at most, and the choice changes only when another
+depth's value beats the current one's by the margin, so while nothing but the rates and the drafts
+tested move, the choice is worked out again every `recheck_every` steps: a change of depth comes up
+to recheck_every - 1 steps late.
 """
 
 from __future__ import annotations
@@ -332,7 +332,8 @@ class DepthPolicy:
         last = value[k] * self._cost[bucket, k] / self._samples[bucket, k][-1]  # valued at its last timing
         # Across depth 0 a probe runs a catch-up (and may set apart requests that finish together):
         # worth it where its last timing would change the depth, not merely beat the current one.
-        if last > value[self.current] * (1 + (self._margin(k, together) if 0 in (k, self.current) else 0)):
+        needed = self._margin(k, together) if 0 in (k, self.current) else 0.0
+        if last > value[self.current] * (1 + needed):
             every = min(every, self.close_probe_every)  # its last timing alone would win
         return measured + every
 

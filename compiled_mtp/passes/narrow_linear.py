@@ -29,7 +29,7 @@ there the call costs more than the arithmetic saves. At 1 row a separate call ma
 unless the weights hold bfloat16 values (passes/weights.py): then the op reads bfloat16 panels, half
 the bytes, which pays for the call (docs/passes.md). On such weights at 2-4 rows the op also takes
 weights down to BFLOAT16_FEW_ROW_KERNEL_WEIGHT elements, the shipped model's attention projections
-(20480-32768): its K=3 decode step took 0.90-0.92x the time (benchmarks/README.md).
+(measured in benchmarks/README.md).
 """
 
 from __future__ import annotations

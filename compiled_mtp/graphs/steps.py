@@ -31,8 +31,12 @@ def _rows(
 
 
 def _store_draft(state: StaticState, slots: Tensor, depth: int, token: Tensor, probs: Tensor) -> None:
-    state.drafts[slots, depth] = token
-    state.draft_probs[slots, depth] = probs
+    # A depth index per row, so that the writes index the whole buffers: written through the view
+    # `[:, depth]`, a compiled graph copied every slot's row at that depth, the whole vocabulary's q,
+    # out and back at every draft.
+    at = torch.full_like(slots, depth)
+    state.drafts[slots, at] = token
+    state.draft_probs[slots, at] = probs
 
 
 def prefill(

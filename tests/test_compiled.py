@@ -16,8 +16,10 @@ from torch._inductor.graph import GraphLowering
 
 from compiled_mtp import Runtime, SamplingParams
 from compiled_mtp.capture import parallel
+from compiled_mtp.capture.post_grad import post_grad_graphs
 from compiled_mtp.graphs import plan, state
-from compiled_mtp.graphs.plan import GraphKey, GraphKind
+from compiled_mtp.graphs.plan import GraphKey, GraphKind, example_inputs
+from compiled_mtp.graphs.state import StaticState
 from compiled_mtp.models.checkpoint import load_model
 from compiled_mtp.passes import narrow_linear, packed_linear
 from compiled_mtp.reference import reference_generate
@@ -200,6 +202,21 @@ def test_inductor_graphs_equal_the_reference(tmp_path, monkeypatch):
     ]
     stats = rt.stats()
     assert stats["compiles"] == len(stats["graph_replays"]) == len(codes)
+
+
+@pytest.mark.parametrize("kind", list(GraphKind), ids=lambda kind: kind.name)
+def test_state_is_written_on_its_buffers_not_through_views(noisy_echo, kind):
+    """Every graph writes the static state by indexing each buffer itself. Written through a view
+    (`drafts[slots, depth] = ...` reads `drafts[:, depth]`), a graph scatters the whole view back: at
+    each draft it copied every slot's q over the vocabulary out and back, where one request's row
+    was meant. In the post-grad graph such a write is a select_scatter or slice_scatter."""
+    depth = 0 if kind in (GraphKind.prefill, GraphKind.mtp_catch_up, GraphKind.mtp_fill) else 2
+    inputs = example_inputs(GraphKey(kind, 1, depth), noisy_echo, prefill_chunk=8)
+    buffers = StaticState(noisy_echo, num_slots=3, max_seq_len=32, max_depth=2)
+    _, graph = post_grad_graphs(kind, noisy_echo, buffers, inputs, ())
+    aten = torch.ops.aten
+    scatters = (aten.select_scatter.default, aten.slice_scatter.default, aten.as_strided_scatter.default)
+    assert [(n.target, n.args[0]) for n in graph.graph.nodes if n.target in scatters] == []
 
 
 def _assert_state_written_in_place(rt: Runtime, codes: list[str]) -> None:

@@ -3,11 +3,12 @@
 Which graph of a step costs what (a catch-up, an extend, a verify), at the process's thread count.
 
 The runtime loads its graphs from a capture cache (built on the first run), generates once to warm
-up, then `--rounds` times; each graph's figure is its best round's median call. With `--then K`, each
+up, then `--rounds` times; each graph's figure is its best round's median call. `--slots N` builds a
+largest bucket of N, so the static state holds N slots (a server's), whatever `--batch`. With `--then K`, each
 generation switches to depth K halfway (`--depth 0 --then 1`: the MTP layer's fill during the
 depth-0 steps and its catch-up at the switch, in one process).
 
-    python benchmarks/graph_times.py [--depth 0] [--then 1] [--batch 4] [--cache-dir DIR] [--rounds 3]
+    python benchmarks/graph_times.py [--depth 0] [--then 1] [--batch 4] [--slots 32] [--cache-dir DIR] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -29,6 +30,12 @@ def main() -> None:
     parser.add_argument("--depth", type=depth_arg, default=0, help="the runtime's mtp_depth (default: 0)")
     parser.add_argument("--then", type=depth_arg, default=None, help="the depth after half the new tokens")
     parser.add_argument("--batch", type=int, default=4, help="prompts generated at once (default: 4)")
+    parser.add_argument(
+        "--slots",
+        type=int,
+        default=None,
+        help="the largest batch bucket: the state's slots (default: --batch)",
+    )
     parser.add_argument("--cache-dir", type=Path, default=None, help="capture cache (default: the user's)")
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens per prompt (default: 128)")
     parser.add_argument("--rounds", type=int, default=3, help="timed generations (default: 3)")
@@ -36,7 +43,7 @@ def main() -> None:
     rt = Runtime.from_pretrained(
         mtp_depth=args.depth,
         mtp_depths=[0, 1, 2, 3],
-        batch_sizes=(1, args.batch),
+        batch_sizes=tuple(sorted({1, args.batch, args.slots or args.batch})),
         cache_dir=args.cache_dir or True,
         draft_vocab=1024,
     )

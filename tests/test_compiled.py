@@ -204,16 +204,15 @@ def test_inductor_graphs_equal_the_reference(tmp_path, monkeypatch):
     assert stats["compiles"] == len(stats["graph_replays"]) == len(codes)
 
 
-@pytest.mark.parametrize("kind", list(GraphKind), ids=lambda kind: kind.name)
-def test_state_is_written_on_its_buffers_not_through_views(noisy_echo, kind):
+@pytest.mark.parametrize("key", plan.graph_keys((1,), (0, 2)), ids=lambda key: key.name)
+def test_state_is_written_on_its_buffers_not_through_views(noisy_echo, key):
     """Every graph writes the static state by indexing each buffer itself. Written through a view
     (`drafts[slots, depth] = ...` reads `drafts[:, depth]`), a graph scatters the whole view back: at
     each draft it copied every slot's q over the vocabulary out and back, where one request's row
     was meant. In the post-grad graph such a write is a select_scatter or slice_scatter."""
-    depth = 0 if kind in (GraphKind.prefill, GraphKind.mtp_catch_up, GraphKind.mtp_fill) else 2
-    inputs = example_inputs(GraphKey(kind, 1, depth), noisy_echo, prefill_chunk=8)
+    inputs = example_inputs(key, noisy_echo, prefill_chunk=8)
     buffers = StaticState(noisy_echo, num_slots=3, max_seq_len=32, max_depth=2)
-    _, graph = post_grad_graphs(kind, noisy_echo, buffers, inputs, ())
+    _, graph = post_grad_graphs(key.kind, noisy_echo, buffers, inputs, ())
     aten = torch.ops.aten
     scatters = (aten.select_scatter.default, aten.slice_scatter.default, aten.as_strided_scatter.default)
     assert [(n.target, n.args[0]) for n in graph.graph.nodes if n.target in scatters] == []

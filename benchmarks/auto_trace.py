@@ -91,6 +91,7 @@ def traced(policy: DepthPolicy, bucket: int, lines: list[str]) -> None:
         depth = choose(b, rates, remaining)
         if b == bucket and all((b, k) in policy._cost for k in policy.depths):
             tokens = policy.expected(rates, remaining)
+            value = policy.values(b, rates, remaining)
             cost = {k: 1e3 * policy._cost[b, k] for k in policy.depths}
             lines.append(
                 f"{depth:>3} {policy.current:>4}  "
@@ -98,7 +99,7 @@ def traced(policy: DepthPolicy, bucket: int, lines: list[str]) -> None:
                 + " |"
                 + "  ".join(f"{cost[k]:5.2f}" for k in policy.depths)
                 + " |"
-                + "  ".join(f"{tokens[k] / cost[k]:5.3f}" for k in policy.depths)
+                + "  ".join(f"{value[k] / 1e3:5.3f}" for k in policy.depths)
             )
         return depth
 

@@ -33,13 +33,18 @@ the MTP catch-up, and the requests of a batch that drafts finish at different st
 run the bucket for fewer rows. The current depth is each bucket's own: a batch whose last request
 runs alone at depth 3 comes back to its own depth 0 with the margin counted from there.
 
-Requests that want the same number of tokens (a batch generated together) finish together at depth
-0; drafting sets them apart, and the batch's last steps then run for its last requests alone. So each
-K > 0 is valued over the steps the batch would take at it (the tokens wanted over the expected tokens
-a step) and `sync_steps` more, about what the fixed depths took beyond that at B=4
-(benchmarks/README.md). That counts what
-zero_margin stood for, so such a batch changes to or from depth 0 at `margin`; at a batch's first
-step it runs no catch-up either, since each prefill ran the MTP layer.
+A batch of several requests finishes when its last request does. At depth 0 each request commits
+one token a step; drafting commits a random number, so the requests part, and the batch's last steps
+run for its last requests alone, for about as long as the slowest of them lags. So each K > 0 is
+valued over the steps the batch would take at it (the tokens wanted over the expected tokens a step)
+and the tail beyond them: the expected lag of the slowest of the batch's n requests, E[max of n
+standard normals] times the spread of a request's step count (a step's tokens have variance
+sigma_K^2 around mean mu_K, so after s steps the count's spread is sqrt(s) sigma_K / mu_K), and half
+a step for the last step's tokens beyond those wanted. The fixed depths' tails at B=4, measured, are
+in benchmarks/README.md. The tail shrinks more slowly than the steps left, so while a batch holds
+depth 0 a drafting depth only loses ground. Requests that want the same number of tokens (a batch
+generated together) would finish together at depth 0, so such a batch changes to or from depth 0 at
+`margin`; at a batch's first step it runs no catch-up either, since each prefill ran the MTP layer.
 
 A cost is only as current as the last step run at that key: a depth that lost once would never be
 measured again. So every depth not run for `probe_every` steps of a bucket runs one step; every depth
@@ -57,11 +62,12 @@ catch-up (whose time the runtime reports), and so does the first step back at K 
 depth 0. Such a depth waits, beyond `probe_every`, until its probe's loss is at most `probe_share`
 of the time of the steps since its last one, but never more than `probe_most` steps: where K=0 wins
 by far (a large batch), three probes of deeper steps every 64 cost several percent, and where K=1
-ties with K=0, a catch-up every 16 steps costs about as much. A probe from depth 0 of a batch whose
-requests want the same number of tokens costs one step more: they finished together, and after it
-they finish at different steps, the last of them in a step of their own. Counted and allowed 512 steps,
-that took auto at B=8, where K=0 wins, from 0.95-0.97x to 0.98-1.00x K=0, simulated on a bench run's
-step times and the held-out text's own acceptance (benchmarks/README.md).
+ties with K=0, a catch-up every 16 steps costs about as much. A probe from depth 0 of a batch of
+several requests costs its whole time beyond a depth-0 step: the batch ends with its slowest request,
+which the probe's step moves on by one token, as a depth-0 step would, unless every request has a
+draft accepted; the other requests' extra tokens end no step sooner. There the deeper depths' probes
+share one probe_share between them, so that holding depth 0 costs the same whatever the depths
+captured.
 
 Working a choice out takes tens of microseconds of Python at a large batch, about 2% of its step.
 A batch holding depth 0 moves none of the choice's inputs (its steps test no draft and, steady, time
@@ -77,6 +83,7 @@ to recheck_every - 1 steps late.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import statistics
 from collections import Counter, defaultdict, deque
@@ -96,6 +103,19 @@ CALIBRATE_AFTER = 64  # calibration() is worked out again after a 64th more draf
 def expected_tokens(rates: Sequence[float], depth: int) -> float:
     """Expected tokens a step at `depth` commits, for conditional acceptance rates per position."""
     return _expected_by_depth(rates, depth)[depth]
+
+
+def _spread_by_depth(rates: Sequence[float], depth: int) -> list[float]:
+    """For every k in 0..depth, the variance over the steps of the tokens a step at k commits (j + 1
+    tokens when drafts 1..j are accepted and draft j + 1, if any, is not)."""
+    out, reach, mean, square = [0.0], 1.0, 1.0, 1.0
+    for rate in rates[:depth]:
+        reach *= rate
+        n = len(out) + 1  # the tokens when this position's draft is accepted too
+        mean += reach
+        square += reach * (2 * n - 1)  # n^2 - (n - 1)^2 more for the steps that reach n tokens
+        out.append(square - mean * mean)
+    return out + [out[-1]] * (depth + 1 - len(out))
 
 
 def _expected_by_depth(rates: Sequence[float], depth: int) -> list[float]:
@@ -125,7 +145,6 @@ class DepthPolicy:
         probe_share: float = 0.005,
         probe_most: int = 512,
         recheck_every: int = 4,
-        sync_steps: float = 2.0,
     ) -> None:
         self.depths = tuple(sorted(depths))
         self.request_alpha = request_alpha
@@ -139,7 +158,6 @@ class DepthPolicy:
         self.probe_share = probe_share
         self.probe_most = probe_most
         self.recheck_every = recheck_every
-        self.sync_steps = sync_steps
         self.current = self.depths[-1]  # the depth held by the bucket of the last choice
         self._held_by: dict[int, int] = {}  # the depth each bucket holds
         self._soonest = min(close_probe_every, probe_every)  # no depth is probed sooner
@@ -278,10 +296,7 @@ class DepthPolicy:
         ):
             self._steps[bucket] = step
             return self.current
-        tokens = self.expected(rates, remaining)
-        value = {k: tokens[k] / self._cost[bucket, k] for k in self.depths}
-        if together:
-            self._desync(value, tokens, sum(remaining))
+        value = self.values(bucket, rates, remaining)
         best = max(value, key=value.__getitem__)
         if value[best] > value[self.current] * (1 + self._margin(best, together)):
             self.current = best
@@ -305,14 +320,38 @@ class DepthPolicy:
         )
         return max(probes, key=value.__getitem__, default=self.current)
 
-    def _desync(self, value: dict[int, float], tokens: dict[int, float], wanted: int) -> None:
-        """Requests that want the same number of tokens finish together at depth 0; drafting sets
-        them apart, and the batch's last steps then run for its last requests alone: about sync_steps
-        steps more than its tokens over its expected tokens a step. Each K > 0 is valued over them."""
+    def values(
+        self, bucket: int, rates: Sequence[Sequence[float]], remaining: Sequence[int]
+    ) -> dict[int, float]:
+        """Each depth's expected tokens a second for a batch in `bucket` (every key timed): its
+        expected tokens a step over the key's cost, a batch's K > 0 valued over its slowest request's
+        tail as well (the module's docstring)."""
+        tokens = self.expected(rates, remaining)
+        value = {k: tokens[k] / self._cost[bucket, k] for k in self.depths}
+        if len(remaining) > 1:
+            self._tail(value, tokens, rates, remaining)
+        return value
+
+    def _tail(
+        self,
+        value: dict[int, float],
+        tokens: dict[int, float],
+        rates: Sequence[Sequence[float]],
+        remaining: Sequence[int],
+    ) -> None:
+        """Each K > 0 valued over the steps the batch takes at it and the tail of its slowest request
+        (the module's docstring): its value times steps / (steps + tail)."""
+        scale, deepest = self.calibration(), self.depths[-1]
+        spreads = [_spread_by_depth(r, deepest) for r in rates]
+        lag = _expected_max(len(remaining))
+        wanted = sum(remaining)
         for k in self.depths:
             if k:
+                mean = tokens[k] / len(remaining)  # a request's tokens a step, the caps included
+                variance = scale[k] ** 2 * sum(s[k] for s in spreads) / len(spreads)
                 steps = wanted / tokens[k]
-                value[k] *= steps / (steps + self.sync_steps)
+                tail = lag * math.sqrt(steps * variance) / mean + 0.5
+                value[k] *= steps / (steps + tail)
 
     def _margin(self, k: int, together: bool) -> float:
         """How much better depth k's value must be than the current depth's to replace it."""
@@ -341,18 +380,31 @@ class DepthPolicy:
         """Steps between probes of depth k, far behind the current depth or on the other side of
         depth 0: its probe's loss (the time its step takes beyond what the current depth takes for the
         same tokens, plus the catch-up that leaving depth 0, or coming back to speculation after the
-        probe, runs, plus one more step at the batch's end when a probe from depth 0 leaves requests
-        that want as many tokens as each other finishing at different steps) at most probe_share of
-        the steps' time between, in probe_every..probe_most."""
+        probe, runs) at most probe_share of the steps' time between, in probe_every..probe_most. A
+        batch of several requests ends with its slowest one, so a probe from depth 0 shortens it by a
+        step only if every request has a draft accepted; its loss is counted as its whole cost beyond a
+        depth-0 step, and the deeper depths share one probe_share."""
         current = self.current
         loss = self._cost[bucket, k] * max(0.0, 1 - value[k] / value[current])
+        share = self.probe_share
+        if current == 0 and len(remaining) > 1:
+            loss = max(loss, self._cost[bucket, k] - self._cost[bucket, 0])
+            share /= len(self.depths) - 1  # the deeper depths' probes share one budget
         if 0 in (k, current):
             loss += self._catch_up.get(bucket, 0.0)
-        # Requests that want the same number of tokens finish together while they decode at depth 0.
-        if current == 0 and len(remaining) > 1 and len(set(remaining)) == 1:
-            loss += self._cost[bucket, 0]
-        steps = loss / (self.probe_share * self._cost[bucket, current])
+        steps = loss / (share * self._cost[bucket, current])
         return min(self.probe_most, max(self.probe_every, steps))
+
+
+@functools.cache
+def _expected_max(n: int) -> float:
+    """E[max of n independent standard normals]: the integral of x n phi(x) Phi(x)^(n - 1)."""
+    step, total = 0.01, 0.0
+    for i in range(-800, 801):
+        x = i * step
+        density = math.exp(-x * x / 2) / math.sqrt(2 * math.pi)
+        total += x * n * density * (0.5 * (1 + math.erf(x / math.sqrt(2)))) ** (n - 1) * step
+    return total
 
 
 def depth_arg(text: str) -> int | str:

@@ -23,8 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from compiled_mtp import DEFAULT_MODEL, Runtime, SamplingParams
-from compiled_mtp.bench import bench_prompts
+from graph_times import timed_runtime, timed_work
+
 from compiled_mtp.capture import aot
 from compiled_mtp.capture.compiler import CompiledGraphs
 from compiled_mtp.graphs.plan import GraphKey
@@ -47,13 +47,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens per prompt (default: 128)")
     parser.add_argument("--rounds", type=int, default=5, help="timed generations (default: 5)")
     args = parser.parse_args()
-    rt = Runtime.from_pretrained(
-        mtp_depth=args.depth,
-        mtp_depths=[0, 1, 2, 3],
-        batch_sizes=tuple(sorted({1, args.batch})),
-        cache_dir=args.cache_b,
-        draft_vocab=1024,
-    )
+    rt = timed_runtime(args.depth, args.batch, None, args.cache_b)
     builds: dict[GraphKey, Callable[..., Any]] = {}
     calls: dict[tuple[str, str], list[float]] = defaultdict(list)
     replay = CompiledGraphs.__call__
@@ -72,8 +66,7 @@ def main() -> None:
         return out
 
     CompiledGraphs.__call__ = alternate  # type: ignore[method-assign]
-    prompts = bench_prompts(Path(DEFAULT_MODEL), rt.model.cfg.vocab_size, args.batch, 64).token_ids
-    params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+    prompts, params = timed_work(rt, args.batch, args.new_tokens)
     first = [out.token_ids for out in rt.generate(prompts, params)]
     rounds: dict[tuple[str, str], list[float]] = defaultdict(list)
     for _ in range(args.rounds):

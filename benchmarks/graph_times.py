@@ -40,13 +40,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens per prompt (default: 128)")
     parser.add_argument("--rounds", type=int, default=3, help="timed generations (default: 3)")
     args = parser.parse_args()
-    rt = Runtime.from_pretrained(
-        mtp_depth=args.depth,
-        mtp_depths=[0, 1, 2, 3],
-        batch_sizes=tuple(sorted({1, args.batch, args.slots or args.batch})),
-        cache_dir=args.cache_dir or True,
-        draft_vocab=1024,
-    )
+    rt = timed_runtime(args.depth, args.batch, args.slots, args.cache_dir)
     calls: dict[str, list[float]] = defaultdict(list)
     replay = CompiledGraphs.__call__
 
@@ -57,8 +51,7 @@ def main() -> None:
         return out
 
     CompiledGraphs.__call__ = timed  # type: ignore[method-assign]
-    prompts = bench_prompts(Path(DEFAULT_MODEL), rt.model.cfg.vocab_size, args.batch, 64).token_ids
-    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    prompts, params = timed_work(rt, args.batch, args.new_tokens)
     generate(rt, prompts, params, args.then)
     best: dict[str, float] = {}
     counts: dict[str, int] = {}
@@ -75,6 +68,24 @@ def main() -> None:
     )
     for name in sorted(best):
         print(f"  {name:<24}{best[name]:8.3f}  ({counts[name]} calls a generation)")
+
+
+def timed_runtime(depth: int | str, batch: int, slots: int | None, cache_dir: Path | None) -> Runtime:
+    """The shipped model at `depth` among the captured depths 0-3, drafting among its 1024 most frequent
+    tokens, with buckets 1, `batch` and `slots`, its graphs from `cache_dir` (default: the user's)."""
+    return Runtime.from_pretrained(
+        mtp_depth=depth,
+        mtp_depths=[0, 1, 2, 3],
+        batch_sizes=tuple(sorted({1, batch, slots or batch})),
+        cache_dir=cache_dir or True,
+        draft_vocab=1024,
+    )
+
+
+def timed_work(rt: Runtime, batch: int, new_tokens: int) -> tuple[list[list[int]], SamplingParams]:
+    """`batch` held-out prompts of 64 tokens, and greedy params for `new_tokens` each."""
+    prompts = bench_prompts(Path(DEFAULT_MODEL), rt.model.cfg.vocab_size, batch, 64).token_ids
+    return prompts, SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
 
 
 def generate(rt: Runtime, prompts: list[list[int]], params: SamplingParams, then: int | str | None) -> None:

@@ -105,17 +105,15 @@ def expected_tokens(rates: Sequence[float], depth: int) -> float:
     return _expected_by_depth(rates, depth)[depth]
 
 
-def _spread_by_depth(rates: Sequence[float], depth: int) -> list[float]:
-    """For every k in 0..depth, the variance over the steps of the tokens a step at k commits (j + 1
-    tokens when drafts 1..j are accepted and draft j + 1, if any, is not)."""
-    out, reach, mean, square = [0.0], 1.0, 1.0, 1.0
-    for rate in rates[:depth]:
-        reach *= rate
-        n = len(out) + 1  # the tokens when this position's draft is accepted too
-        mean += reach
-        square += reach * (2 * n - 1)  # n^2 - (n - 1)^2 more for the steps that reach n tokens
+def _spread_by_depth(expected: Sequence[float]) -> list[float]:
+    """For every depth k, the variance over the steps of the tokens a step at k commits, from
+    _expected_by_depth's list: a step reaches n tokens with chance expected[n - 1] - expected[n - 2]."""
+    out, square, previous = [], 0.0, 0.0
+    for n, mean in enumerate(expected, start=1):
+        square += (2 * n - 1) * (mean - previous)  # n^2 - (n - 1)^2 more for the steps that reach n
+        previous = mean
         out.append(square - mean * mean)
-    return out + [out[-1]] * (depth + 1 - len(out))
+    return out
 
 
 def _expected_by_depth(rates: Sequence[float], depth: int) -> list[float]:
@@ -262,10 +260,13 @@ class DepthPolicy:
     def expected(self, rates: Sequence[Sequence[float]], remaining: Sequence[int]) -> dict[int, float]:
         """Tokens a batch is expected to commit in one step at each depth: its requests' rates,
         calibrated for the depth, each request's count capped at the tokens it still wants."""
+        return self._tokens([_expected_by_depth(r, self.depths[-1]) for r in rates], remaining)
+
+    def _tokens(self, per_request: list[list[float]], remaining: Sequence[int]) -> dict[int, float]:
+        """expected() from each request's _expected_by_depth list."""
         scale = self.calibration()
         tokens = dict.fromkeys(self.depths, 0.0)
-        for r, n in zip(rates, remaining):
-            e = _expected_by_depth(r, self.depths[-1])
+        for e, n in zip(per_request, remaining):
             for k in self.depths:
                 tokens[k] += min(e[k] * scale[k], n)
         return tokens
@@ -326,29 +327,25 @@ class DepthPolicy:
         """Each depth's expected tokens a second for a batch in `bucket` (every key timed): its
         expected tokens a step over the key's cost, a batch's K > 0 valued over its slowest request's
         tail as well (the module's docstring)."""
-        tokens = self.expected(rates, remaining)
+        per_request = [_expected_by_depth(r, self.depths[-1]) for r in rates]
+        tokens = self._tokens(per_request, remaining)
         value = {k: tokens[k] / self._cost[bucket, k] for k in self.depths}
         if len(remaining) > 1:
-            self._tail(value, tokens, rates, remaining)
+            self._tail(value, tokens, per_request, sum(remaining))
         return value
 
     def _tail(
-        self,
-        value: dict[int, float],
-        tokens: dict[int, float],
-        rates: Sequence[Sequence[float]],
-        remaining: Sequence[int],
+        self, value: dict[int, float], tokens: dict[int, float], per_request: list[list[float]], wanted: int
     ) -> None:
         """Each K > 0 valued over the steps the batch takes at it and the tail of its slowest request
         (the module's docstring): its value times steps / (steps + tail)."""
-        scale, deepest = self.calibration(), self.depths[-1]
-        spreads = [_spread_by_depth(r, deepest) for r in rates]
-        lag = _expected_max(len(remaining))
-        wanted = sum(remaining)
+        scale, n = self.calibration(), len(per_request)
+        spreads = [_spread_by_depth(e) for e in per_request]
+        lag = _expected_max(n)
         for k in self.depths:
             if k:
-                mean = tokens[k] / len(remaining)  # a request's tokens a step, the caps included
-                variance = scale[k] ** 2 * sum(s[k] for s in spreads) / len(spreads)
+                mean = tokens[k] / n  # a request's tokens a step, the caps included
+                variance = scale[k] ** 2 * sum(s[k] for s in spreads) / n
                 steps = wanted / tokens[k]
                 tail = lag * math.sqrt(steps * variance) / mean + 0.5
                 value[k] *= steps / (steps + tail)

@@ -248,6 +248,27 @@ def test_a_near_tie_is_probed_often_and_its_cost_taken_over_the_probes(close):
         assert chosen == [2] * 40
 
 
+def test_steps_after_a_prefill_are_neither_timed_nor_probes():
+    """A prefill empties the caches: the two decode steps after it run slower (here 1.5x). They must
+    not move a cost or the machine's speed, and no probe may fall on them; the steps after them are
+    timed as before, so the near runner-up is still probed every close_probe_every steps."""
+    policy = DepthPolicy((2, 3), close_probe_every=4)
+    _measured(policy, 1, {2: 1.0, 3: 1.04})
+    true_cost, rates = {2: 1.0, 3: 1.04}, [[0.86, 0.62, 0.42]]  # 2.39 tokens for 1.0, 2.62 for 1.04
+    chosen, cold = [], set()
+    for step in range(80):
+        if step % 7 == 0:  # a new request every 7 steps
+            policy.prefilled()
+            cold |= {step, step + 1}
+        k = policy.choose(1, rates, [100])
+        chosen.append(k)
+        policy.record_cost(1, k, true_cost[k] * (1.5 if step in cold else 1.0))
+    assert all(chosen[step] == 3 for step in cold)  # no probe on a cold step
+    assert chosen.count(2) >= 8  # the probes still run, on the timed steps
+    assert policy._cost == {(1, 2): pytest.approx(1.0), (1, 3): pytest.approx(1.04)}
+    assert policy._speed[1] == pytest.approx(1.0) and policy.current == 3
+
+
 def test_one_timing_in_a_fast_moment_moves_no_choice():
     """Depth 3 is 5% better than depth 2, and both have been timed several times at their true costs.
     Then one probe of depth 2 falls in a moment twice as fast: its cost is the median of its last

@@ -18,11 +18,12 @@ by PSEUDO_STEPS.
 cost(bucket, K) is a key's wall time at a reference speed of the machine, the first UNTIMED_CALLS left
 out: the first compiles or loads the graphs, and the second runs on the caches that loading emptied (up
 to 60% slower than the steps after it, here). So are the COLD_STEPS decode steps after a prefill, and no
-probe runs on them: a prefill's graph empties the caches too. At B=1 on an Intel Xeon, in the bench's
-turns, a K=3 step right after a prefill took 1.17-1.21x a later one, the step after it 1.10x, and a
-batch's first step is where the depth most often changes back from the shallower one its last
-tokens ran at, so such steps timed the held depth dear. The machine's speed itself moves by half within a
-fraction of a second here, so a cost is only compared with costs taken at the same speed: a step at the
+probe runs on them: a prefill's graph empties the caches too. On an Intel Xeon, in the bench's turns,
+the first three steps after a prefill took 1.26x, 1.17x and 1.02x a later one at B=1 (K=3) and
+1.39x, 1.32x and 1.15x at B=4 (K=0), and a batch's first step is where the depth most often changes
+back from the shallower one its last tokens ran at, so such steps timed the held depth dear. The
+machine's speed itself moves by half within a fraction of a second here, so a cost is only compared
+with costs taken at the same speed: a step at the
 depth the bucket ran last updates the bucket's speed (its time over its key's cost), and any other step
 (a probe, or the first after a change) updates its key's cost: the median of the key's last
 `cost_window` timings, each over the speed of its moment. One step's time is off the next one's by
@@ -100,7 +101,7 @@ Key = tuple[int, int]  # (bucket, depth)
 Hold = tuple[object, list[tuple[float, ...]], int, float, float, float]
 NO_HOLD: Hold = (None, [], -1, math.inf, -math.inf, -math.inf)
 UNTIMED_CALLS = 2  # a key's first calls, never counted in its cost
-COLD_STEPS = 2  # decode steps after a prefill, on the caches it emptied: never timed, never a probe
+COLD_STEPS = 3  # decode steps after a prefill, on the caches it emptied: never timed, never a probe
 PSEUDO_STEPS = 16  # the pooled history's weight, in steps, in a depth's own acceptance rates
 CALIBRATE_AFTER = 64  # calibration() is worked out again after a 64th more drafts were tested
 

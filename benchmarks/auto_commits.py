@@ -38,10 +38,7 @@ def policy_at(rev: str) -> type[DepthPolicy]:
     )
     module = types.ModuleType(f"depth_policy_at_{rev}")
     exec(compile(source.stdout, f"{rev}:{path}", "exec"), module.__dict__)
-    policy = module.DepthPolicy
-    if not hasattr(policy, "prefilled"):  # a policy from before the runtime reported its prefills
-        policy.prefilled = lambda self: None
-    return policy
+    return module.DepthPolicy
 
 
 def autos_at(systems: BenchSystems, revs: list[str]) -> dict[str, Runtime]:

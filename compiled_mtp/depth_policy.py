@@ -17,13 +17,8 @@ by PSEUDO_STEPS.
 
 cost(bucket, K) is a key's wall time at a reference speed of the machine, the first UNTIMED_CALLS left
 out: the first compiles or loads the graphs, and the second runs on the caches that loading emptied (up
-to 60% slower than the steps after it, here). So are the COLD_STEPS decode steps after a prefill, and no
-probe runs on them: a prefill's graph empties the caches too. On an Intel Xeon, in the bench's turns,
-the first three steps after a prefill took 1.26x, 1.17x and 1.02x a later one at B=1 (K=3) and
-1.39x, 1.32x and 1.15x at B=4 (K=0), and a batch's first step is where the depth most often changes
-back from the shallower one its last tokens ran at, so such steps timed the held depth dear. The
-machine's speed itself moves by half within a fraction of a second here, so a cost is only compared
-with costs taken at the same speed: a step at the
+to 60% slower than the steps after it, here). The machine's speed itself moves by half within a
+fraction of a second here, so a cost is only compared with costs taken at the same speed: a step at the
 depth the bucket ran last updates the bucket's speed (its time over its key's cost), and any other step
 (a probe, or the first after a change) updates its key's cost: the median of the key's last
 `cost_window` timings, each over the speed of its moment. One step's time is off the next one's by
@@ -101,7 +96,6 @@ Key = tuple[int, int]  # (bucket, depth)
 Hold = tuple[object, list[tuple[float, ...]], int, float, float, float]
 NO_HOLD: Hold = (None, [], -1, math.inf, -math.inf, -math.inf)
 UNTIMED_CALLS = 2  # a key's first calls, never counted in its cost
-COLD_STEPS = 3  # decode steps after a prefill, on the caches it emptied: never timed, never a probe
 PSEUDO_STEPS = 16  # the pooled history's weight, in steps, in a depth's own acceptance rates
 CALIBRATE_AFTER = 64  # calibration() is worked out again after a 64th more drafts were tested
 
@@ -187,12 +181,6 @@ class DepthPolicy:
         self._samples: defaultdict[Key, deque[float]] = defaultdict(window)
         self._catch_up_samples: defaultdict[int, deque[float]] = defaultdict(window)
         self._catch_ups: Counter[int] = Counter()
-        self._cold = 0  # the decode steps left that follow a prefill too closely to be timed
-
-    def prefilled(self) -> None:
-        """A prompt was prefilled: the next COLD_STEPS decode steps run on the caches its graph emptied
-        (the module's docstring); none of them is timed or chosen as a probe."""
-        self._cold = COLD_STEPS
 
     def counts(self) -> tuple[list[int], list[int]]:
         """Drafts proposed and accepted at each position, over the steps of every depth."""
@@ -244,8 +232,7 @@ class DepthPolicy:
         key = (bucket, depth)
         self._seen[key] += 1
         steady, self._last[bucket] = self._last.get(bucket) == depth, depth
-        cold, self._cold = self._cold > 0, max(0, self._cold - 1)
-        if self._seen[key] <= UNTIMED_CALLS or cold:
+        if self._seen[key] <= UNTIMED_CALLS:
             return  # the first loads the key's graphs, the next runs on caches the load emptied
         speed = self._speed.get(bucket, 1.0)
         if steady and key in self._cost:  # the machine's speed moved, not the key's cost
@@ -258,7 +245,7 @@ class DepthPolicy:
     def record_catch_up(self, bucket: int, seconds: float) -> None:
         """The wall time of an MTP catch-up before a step of `bucket` (its first calls not counted)."""
         self._catch_ups[bucket] += 1
-        if self._catch_ups[bucket] > UNTIMED_CALLS and not self._cold:
+        if self._catch_ups[bucket] > UNTIMED_CALLS:
             cost = seconds / self._speed.get(bucket, 1.0)
             self._catch_up[bucket] = self._median_of(self._catch_up_samples[bucket], cost)
             self._changes += 1
@@ -321,13 +308,11 @@ class DepthPolicy:
             for k in self.depths
             if k != self.current
         }
-        # A probe is a timing: none on a step after a prefill, which is not timed (and holds no choice).
-        cold = self._cold > 0
-        probes = [] if cold else [k for k, after in due.items() if self._steps[bucket] > after]
+        probes = [k for k, after in due.items() if self._steps[bucket] > after]
         # A request that wants this many tokens or more counts its expected tokens uncapped.
         uncapped = (self.depths[-1] + 1) * max(self.calibration().values())
         until = min(due.values(), default=math.inf)
-        holds = not probes and not cold and min(remaining) >= uncapped
+        holds = not probes and min(remaining) >= uncapped
         settled = self._steps[bucket] + self.recheck_every - 1
         self._hold = (
             (inputs, [tuple(r) for r in rates], self._observed, uncapped, until, settled)

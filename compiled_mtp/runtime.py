@@ -417,7 +417,6 @@ class Runtime:
             first = self.graphs(PREFILL, tokens, following, slot, self._tensor([start]), n, noise)
         req.seq_len = len(prompt)
         self._running[req.slot] = req
-        self._policy.prefilled()
         return self._commit(req, [int(first)], depth=None, accepted=0)
 
     def _choose_depth(self, reqs: list[_Request], bucket: int) -> int:

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from compiled_mtp.depth_policy import CALIBRATE_AFTER, COLD_STEPS, NO_HOLD, DepthPolicy, expected_tokens
+from compiled_mtp.depth_policy import CALIBRATE_AFTER, NO_HOLD, DepthPolicy, expected_tokens
 
 rates_st = st.lists(st.floats(0, 1), min_size=4, max_size=4)
 
@@ -246,27 +246,6 @@ def test_a_near_tie_is_probed_often_and_its_cost_taken_over_the_probes(close):
         assert policy.current == 3 and chosen.index(3) < 5 and chosen[-10:] == [3, 3, 3, 2, 3] * 2
     else:
         assert chosen == [2] * 40
-
-
-def test_steps_after_a_prefill_are_neither_timed_nor_probes():
-    """A prefill empties the caches: the COLD_STEPS decode steps after it run slower (here 1.5x). They must
-    not move a cost or the machine's speed, and no probe may fall on them; the steps after them are
-    timed as before, so the near runner-up is still probed every close_probe_every steps."""
-    policy = DepthPolicy((2, 3), close_probe_every=4)
-    _measured(policy, 1, {2: 1.0, 3: 1.04})
-    true_cost, rates = {2: 1.0, 3: 1.04}, [[0.86, 0.62, 0.42]]  # 2.39 tokens for 1.0, 2.62 for 1.04
-    chosen, cold = [], set()
-    for step in range(120):
-        if step % (COLD_STEPS + 5) == 0:  # a new request every few steps
-            policy.prefilled()
-            cold |= set(range(step, step + COLD_STEPS))
-        k = policy.choose(1, rates, [100])
-        chosen.append(k)
-        policy.record_cost(1, k, true_cost[k] * (1.5 if step in cold else 1.0))
-    assert all(chosen[step] == 3 for step in cold)  # no probe on a cold step
-    assert chosen.count(2) >= 8  # the probes still run, on the timed steps
-    assert policy._cost == {(1, 2): pytest.approx(1.0), (1, 3): pytest.approx(1.04)}
-    assert policy._speed[1] == pytest.approx(1.0) and policy.current == 3
 
 
 def test_one_timing_in_a_fast_moment_moves_no_choice():

@@ -35,8 +35,10 @@ What it measures (greedy decoding throughout, the same prompts for every system)
 - the roofline: the same bytes, and the multiply-adds of those weights (2 per element of every
   matrix, per row: B (K + 1) rows of the target's verify and the draft extend, B of each later draft
   step; attention over the cache not counted) at the rate a large torch.mm reaches on the same
-  threads. A step takes at least the longer of the two, so the roofline's speedup over K=0 is at most
-  the bandwidth bound's, and below it where a verify of B (K + 1) rows is more arithmetic than reading.
+  threads, or, for products of as many rows as run on AMX's tiles (a CPU that has them, bfloat16
+  weights), at the rate the C++ ops' tile products reach on a weight in cache. A step takes at least
+  the longer of the two, so the roofline's speedup over K=0 is at most the bandwidth bound's, and below
+  it where a verify of B (K + 1) rows is more arithmetic than reading.
 
 Prompts are held-out text when the checkpoint has a tokenizer: windows of `--prompt-len` tokens one
 third into each file that the shipped model's training holds out (compiled_mtp/corpus.py), as its
@@ -197,6 +199,8 @@ class Bound:
     target_flops: int = 0  # of one target forward's weights, per row
     mtp_step_flops: list[int] = field(default_factory=list)  # of one draft step's, per row and MTP layer
     roofline_steps_per_s: dict[str, float] = field(default_factory=dict)  # by "K/B": bytes or arithmetic
+    tile_rows: int = 0  # rows from which the ops' products of bfloat16 weights run on AMX; 0: none do
+    tile_flops_per_s: float = 0.0  # their rate: the best of 5 such products of 16 rows, on a weight in cache
 
 
 @dataclass
@@ -618,20 +622,46 @@ def bandwidth_bound(
     return Bound(copy_bytes, bandwidth, target, mtp, steps)
 
 
+def tile_rate(device: str, dtype: torch.dtype, runs: int = 5) -> tuple[int, float]:
+    """(rows from which the C++ ops multiply bfloat16 weights on AMX's tiles, the float operations per
+    second of the fastest of `runs` products of 16 rows by a [512, 1024] weight of bfloat16 values,
+    which stays in cache): (0, 0.0) where they do not run (no AMX, another device or dtype)."""
+    if device != "cpu" or dtype != torch.float32 or not library.load():
+        return 0, 0.0
+    rows = torch.ops.compiled_mtp.panel_amx(True)
+    if not rows:
+        return 0, 0.0
+    x, weight = torch.randn(16, 1024), torch.randn(512, 1024).bfloat16().float()
+    product = partial(torch.ops.compiled_mtp.panel_linear, x, weight)
+    return rows, 2 * x.shape[0] * weight.numel() / _best_of(runs, device, product)
+
+
 def add_roofline(
-    bound: Bound, flops: tuple[int, list[int], int], rate: float, batch_sizes: list[int]
+    bound: Bound,
+    flops: tuple[int, list[int], int],
+    rate: float,
+    tiles: tuple[int, float],
+    batch_sizes: list[int],
 ) -> None:
     """The roofline's steps per second at every (K, B): a step reads its bytes (`steps_per_s`) and does
-    its weights' multiply-adds at `rate`, so it takes at least the longer of the two. A K-step runs
-    B (K + 1) rows through the target's verify and MTP layer 0 (the draft extend, whose head drafts
-    from one row of each request), then B rows through each of its K - 1 draft steps."""
+    its weights' multiply-adds at `rate`, or at the tiles' rate for products of `tiles[0]` rows or more,
+    so it takes at least the longer of the two. A K-step runs B (K + 1) rows through the target's verify
+    and MTP layer 0 (the draft extend, whose head drafts from one row of each request), then B rows
+    through each of its K - 1 draft steps."""
     target, mtp, head = flops
     bound.flops_per_s, bound.target_flops, bound.mtp_step_flops = rate, target, mtp
+    bound.tile_rows, bound.tile_flops_per_s = tiles
+
+    def seconds(rows: int, operations: int) -> float:
+        return operations / (bound.tile_flops_per_s if bound.tile_rows and rows >= bound.tile_rows else rate)
+
     for k, steps in bound.steps_per_s.items():
         for b in batch_sizes:
             rows = b * (k + 1)
-            drafts = rows * (mtp[0] - head) + b * head + b * sum(mtp[j % len(mtp)] for j in range(1, k))
-            bound.roofline_steps_per_s[f"{k}/{b}"] = min(steps, rate / (rows * target + (drafts if k else 0)))
+            arithmetic = seconds(rows, rows * (target + (mtp[0] - head if k else 0)))
+            if k:
+                arithmetic += seconds(b, b * (head + sum(mtp[j % len(mtp)] for j in range(1, k))))
+            bound.roofline_steps_per_s[f"{k}/{b}"] = min(steps, 1 / arithmetic) if arithmetic else steps
 
 
 def add_bounds(engine: list[EngineRun], bound: Bound) -> None:
@@ -869,8 +899,13 @@ def print_report(r: BenchResult) -> None:
     )
     if bound.flops_per_s:
         per_draft_row = ", ".join(f"{x / 1e6:.2f}" for x in bound.mtp_step_flops) or "-"
+        tiles = (
+            f" (products of {bound.tile_rows}+ rows on AMX's tiles: {bound.tile_flops_per_s / 1e9:.0f} GFLOP/s)"
+            if bound.tile_rows
+            else ""
+        )
         print(
-            f"roofline: torch.mm {bound.flops_per_s / 1e9:.0f} GFLOP/s; weights' multiply-adds per row "
+            f"roofline: torch.mm {bound.flops_per_s / 1e9:.0f} GFLOP/s{tiles}; weights' multiply-adds per row "
             f"{bound.target_flops / 1e6:.2f} MFLOP per target forward, {per_draft_row} per draft step; "
             + ", ".join(f"K/B={kb}: {s:.0f} steps/s" for kb, s in bound.roofline_steps_per_s.items())
         )
@@ -1147,7 +1182,8 @@ def run(args: argparse.Namespace) -> None:
     hf, meta.hf_attention = bench_hf(args.model, prompts.token_ids, args)
     bandwidth = copy_bandwidth(args.device, args.copy_mb)
     bound = bandwidth_bound(target_bytes, mtp_bytes, bandwidth, args.copy_mb * 2**20, args.depths)
-    add_roofline(bound, flops, gemm_rate(args.device, DTYPES[args.dtype]), args.batch_sizes)
+    dtype = DTYPES[args.dtype]
+    add_roofline(bound, flops, gemm_rate(args.device, dtype), tile_rate(args.device, dtype), args.batch_sizes)
     add_bounds(engine, bound)
     result = BenchResult(meta, acceptance, engine, hf, bound, peers, [])
     result.goals = goals(result)

@@ -254,7 +254,7 @@ def test_the_roofline_never_allows_more_than_the_bandwidth_bound(
     the bandwidth bound itself where arithmetic costs nothing."""
     draft = [d + head for d in draft]  # a draft step's multiply-adds include its head's
     bytes_bound = bench.bandwidth_bound(target, draft, bandwidth, 1, depths)
-    bench.add_roofline(bytes_bound, (target, draft, head), rate, batches)
+    bench.add_roofline(bytes_bound, (target, draft, head), rate, (0, 0.0), batches)
     roof = bytes_bound.roofline_steps_per_s
     for k in depths:
         assert all(roof[f"{k}/{b}"] <= bytes_bound.steps_per_s[k] for b in batches)
@@ -264,19 +264,44 @@ def test_the_roofline_never_allows_more_than_the_bandwidth_bound(
         by_depth = [roof[f"{k}/{b}"] for k in sorted(depths)]
         assert by_depth == sorted(by_depth, reverse=True)
     free = bench.bandwidth_bound(target, draft, bandwidth, 1, depths)
-    bench.add_roofline(free, (target, draft, head), float("inf"), batches)
+    bench.add_roofline(free, (target, draft, head), float("inf"), (0, 0.0), batches)
     assert all(free.roofline_steps_per_s[f"{k}/{b}"] == free.steps_per_s[k] for k in depths for b in batches)
+
+
+@given(
+    target=st.integers(1, 10**9),
+    draft=st.lists(st.integers(1, 10**8), min_size=1, max_size=3),
+    rate=st.floats(1e6, 1e15),
+    faster=st.floats(1.0, 100.0),
+    tile_rows=st.integers(1, 16),
+    depths=st.lists(st.integers(0, 5), min_size=1, max_size=4, unique=True),
+    batches=st.lists(st.integers(1, 64), min_size=1, max_size=4, unique=True),
+)
+def test_faster_tile_products_never_lower_the_roofline(
+    target, draft, rate, faster, tile_rows, depths, batches
+):
+    """Products of tile_rows rows or more at a faster rate: never fewer steps than without them, never
+    more than the bandwidth bound's."""
+    bounds = [bench.bandwidth_bound(target, draft, 1e9, 1, depths) for _ in range(2)]
+    bench.add_roofline(bounds[0], (target, draft, 0), rate, (0, 0.0), batches)
+    bench.add_roofline(bounds[1], (target, draft, 0), rate, (tile_rows, rate * faster), batches)
+    for key, steps in bounds[1].roofline_steps_per_s.items():
+        assert bounds[0].roofline_steps_per_s[key] <= steps * (1 + 1e-12)
+        assert steps <= bounds[1].steps_per_s[int(key.split("/")[0])]
 
 
 def test_a_roofline_step_counts_every_row_of_its_graphs():
     """K=2, B=3: 9 rows through the target and the extend's layer (whose head drafts from 3), 3
     through the draft step that follows."""
     bound = bench.bandwidth_bound(10**6, [10**5], 1e12, 1, [0, 2])
-    bench.add_roofline(bound, (100, [40], 10), 1320.0, [3])
+    bench.add_roofline(bound, (100, [40], 10), 1320.0, (0, 0.0), [3])
     assert bound.roofline_steps_per_s == {
         "0/3": 1320.0 / 300,
         "2/3": 1.0,
     }  # 9 * 100 + 9 * 30 + 3 * 10 + 3 * 40
+    # From 9 rows on (the verify and the extend), the products at 1170 a second: 3 rows still at 1320.
+    bench.add_roofline(bound, (100, [40], 10), 1320.0, (9, 1170.0), [3])
+    assert bound.roofline_steps_per_s["2/3"] == pytest.approx(1 / (1170 / 1170 + 150 / 1320))
 
 
 def test_weight_bytes_count_the_panels_an_op_reads_in_place_of_a_weight(echo_checkpoint):

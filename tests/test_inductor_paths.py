@@ -1,7 +1,9 @@
 """Real Inductor graphs with every custom pass forced on (as in test_compiled.py's Inductor test) on
-the distilled checkpoint: every depth 1..3 end to end with the reference's tokens and accepted
-counts, padded rows of bucket 4 beside 3 live requests, and a seeded request alone and in a full
-batch. One runtime (buckets 1 and 4) serves every test, so each graph compiles once: 12 graphs."""
+the distilled checkpoint, its weights rounded to bfloat16 values as a bfloat16 checkpoint's are: every
+depth 1..3 end to end with the reference's tokens and accepted counts, padded rows of bucket 4 beside
+3 live requests, and a seeded request alone and in a full batch. The ops read the weights from
+bfloat16 panels, and bucket 4's 8-16 rows take AMX's tile products where the machine has them. One
+runtime (buckets 1 and 4) serves every test, so each graph compiles once: 12 graphs."""
 
 from __future__ import annotations
 
@@ -23,6 +25,9 @@ def compiled(distilled_checkpoint):
     these weights are below the sizes where those pay.
     The thresholds are read when a graph compiles, so they stay set for the whole module."""
     model = load_model(distilled_checkpoint)
+    with torch.no_grad():
+        for weight in model.parameters():
+            weight.copy_(weight.bfloat16())
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(packed_linear, "MIN_WEIGHT", 0)
         mp.setattr(narrow_linear, "KERNEL_WEIGHT", 0)

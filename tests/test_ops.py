@@ -3,6 +3,7 @@ against the PyTorch function it replaces, its argument checks, and the library n
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import pytest
@@ -77,21 +78,38 @@ def _off_bfloat16(weight: torch.Tensor, index: tuple) -> torch.Tensor:
     return moved
 
 
+@contextlib.contextmanager
+def vector_products():
+    """AMX's tile products off (where the machine has them) inside: the vector path alone."""
+    rows = ops.panel_amx(False)
+    try:
+        yield
+    finally:
+        ops.panel_amx(rows > 0)
+
+
+def _padded(in_features: int) -> int:
+    """bfloat16 panels' columns: `in` padded to whole blocks of 32 (panels.h)."""
+    return -(-in_features // 32) * 32
+
+
 @settings(max_examples=40, deadline=None)
 @given(**PANEL_DRAWS, in_features=st.integers(2, 40))
 def test_bfloat16_panels_give_the_float32_panels_products_bit_for_bit(rows, out_features, in_features, seed):
-    """A weight of bfloat16 values is read from panels of half the bytes, and every product is bit for
-    bit the one from float32 panels: the same weight with one element off the bfloat16 values, in a
-    column the rows multiply by zero (which adds exactly nothing to any sum)."""
+    """A weight of bfloat16 values is read from panels of half the bytes (and the padding of its
+    columns), and every product of the vector path is bit for bit the one from float32 panels: the
+    same weight with one element off the bfloat16 values, in a column the rows multiply by zero (which
+    adds exactly nothing to any sum). Odd column counts take the last column alone."""
     gen = torch.Generator().manual_seed(seed)
     (weight,) = _bfloat16_valued((out_features, in_features), generator=gen)
     column = int(torch.randint(0, in_features, (1,), generator=gen))
     x = torch.randn(rows, in_features, generator=gen)
     x[:, column] = 0.0
     moved = _off_bfloat16(weight, (out_features - 1, column))
-    got, reference = ops.panel_linear(x, weight), ops.panel_linear(x, moved)
+    with vector_products():
+        got, reference = ops.panel_linear(x, weight), ops.panel_linear(x, moved)
     assert torch.equal(got, reference)
-    assert 2 * ops.panel_bytes(weight) == ops.panel_bytes(moved) > 0
+    assert 2 * ops.panel_bytes(weight) * in_features == ops.panel_bytes(moved) * _padded(in_features) > 0
 
 
 @pytest.mark.parametrize("rows", [1, 4, 16])
@@ -106,11 +124,79 @@ def test_dense_mlp_on_bfloat16_weights_gives_the_float32_products_bit_for_bit(ro
     x = torch.randn(rows, hidden, generator=gen)
     x[:, 3] = 0.0
     moved = (_off_bfloat16(gate, (7, 3)), _off_bfloat16(up, (9, 3)), _off_bfloat16(down, (11, 5)))
-    got = ops.dense_mlp(x, gate, up, down)
-    assert torch.equal(got, ops.dense_mlp(x, *moved))
-    assert [ops.panel_bytes(w) * 2 for w in (gate, up, down)] == [ops.panel_bytes(w) for w in moved]
+    with vector_products():
+        got = ops.dense_mlp(x, gate, up, down)
+        assert torch.equal(got, ops.dense_mlp(x, *moved))
+    assert [2 * ops.panel_bytes(w) * w.shape[1] for w in (gate, up, down)] == [
+        ops.panel_bytes(w) * _padded(w.shape[1]) for w in moved
+    ]
     expected = dense_mlp(x.double(), gate.double(), up.double(), down.double()).float()
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+AMX_ROWS = ops.panel_amx(True)  # 0 where the machine or the build has no AMX
+needs_amx = pytest.mark.skipif(not AMX_ROWS, reason="no AMX on this machine")
+
+
+def _float32_rounding(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+    """`got` is x W^T to float32 rounding: within a few units in the last place of the sum of the
+    products' magnitudes."""
+    expected = x.double() @ weight.double().T
+    scale = x.double().abs() @ weight.double().abs().T
+    assert ((got.double() - expected).abs() <= 4 * 2**-24 * (scale + 1e-30) * x.shape[1] ** 0.5).all()
+
+
+@needs_amx
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 16),
+    out_features=st.integers(1, 70),
+    in_features=st.integers(1, 80),
+    seed=st.integers(0, 2**16),
+    scale=st.sampled_from([1e-30, 1e-3, 1.0, 1e6]),
+)
+def test_amx_products_are_the_float32_products(rows, out_features, in_features, seed, scale):
+    """From AMX_MIN_ROWS rows on, a weight of bfloat16 values is multiplied on AMX's tiles, the rows
+    split into three bfloat16 parts: exactly the float32 products, added in another order. Below, the
+    vector path. Column counts that leave a partial block of 32, and small and large rows."""
+    gen = torch.Generator().manual_seed(seed)
+    (weight,) = _bfloat16_valued((out_features, in_features), generator=gen)
+    x = torch.randn(rows, in_features, generator=gen) * scale
+    _float32_rounding(ops.panel_linear(x, weight), x, weight)
+
+
+@needs_amx
+def test_amx_products_switch_off_and_on():
+    """panel_amx(False) leaves every row count on the vector path, bit for bit the float32 panels';
+    panel_amx(True) takes AMX_MIN_ROWS rows and more back to the tiles."""
+    gen = torch.Generator().manual_seed(5)
+    (weight,) = _bfloat16_valued((96, 256), generator=gen)
+    moved = _off_bfloat16(weight, (0, 0))
+    x = torch.randn(16, 256, generator=gen)
+    x[:, 0] = 0.0
+    with vector_products():
+        assert ops.panel_amx(False) == 0
+        assert torch.equal(ops.panel_linear(x, weight), ops.panel_linear(x, moved))
+    assert ops.panel_amx(True) == AMX_ROWS
+    tiles = ops.panel_linear(x, weight)
+    _float32_rounding(tiles, x, weight)
+    assert not torch.equal(tiles, ops.panel_linear(x, moved))  # the sums added in another order
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [8, 16])
+def test_dense_mlp_on_amx_is_the_model_function(rows):
+    """The MLP of bfloat16 weights on AMX's tiles, as close to the model function in float64 as the
+    vector path's float32 sums are."""
+    gen = torch.Generator().manual_seed(rows)
+    hidden, inter = 72, 200
+    gate, up, down = _bfloat16_valued((inter, hidden), (inter, hidden), (hidden, inter), generator=gen)
+    x = torch.randn(rows, hidden, generator=gen)
+    expected = dense_mlp(x.double(), gate.double(), up.double(), down.double())
+    with vector_products():
+        vector = (ops.dense_mlp(x, gate, up, down).double() - expected).abs().max().item()
+    tiles = (ops.dense_mlp(x, gate, up, down).double() - expected).abs().max().item()
+    assert tiles <= 2 * vector
 
 
 def test_panel_bytes_is_zero_until_an_op_reads_the_weight():

@@ -19,7 +19,9 @@ constexpr int64_t PANELS = 3;  // panels a thread works on at once: a row block 
 // each broadcast input then serve twice the multiply-adds (benchmarks/README.md, "Six panels").
 #if defined(CPU_CAPABILITY_AVX512)
 constexpr int64_t FEW_ROWS = 4, FEW_ROW_PANELS = 6;
+constexpr int VECTOR_REGISTERS = 32;
 #else
+constexpr int VECTOR_REGISTERS = 16;
 constexpr int64_t FEW_ROWS = 0, FEW_ROW_PANELS = PANELS;
 #endif
 // Bytes of each panel prefetched ahead (96 steps along `in` of float32): with the hardware's prefetch
@@ -44,7 +46,7 @@ bool matches(const Panels& p, const at::Tensor& w) {
     const auto storage = p.storage.lock();
     return storage.get() == w.storage().unsafeGetStorageImpl() && p.offset == w.storage_offset() &&
            p.version == version_of(w) && p.packed.size(0) == (w.size(0) + LANES - 1) / LANES &&
-           p.packed.size(1) == w.size(1);
+           p.packed.size(1) == (p.packed.scalar_type() == at::kFloat ? w.size(1) : panel_columns(w.size(1)));
 }
 
 // Whether every element of `w` is a bfloat16 value: its low 16 bits are all zero.
@@ -56,18 +58,20 @@ bool bfloat16_exact(const at::Tensor& w) {
     return true;
 }
 
+// float32 panels: [panels][k][LANES]. bfloat16 panels: [panels][k padded][LANES][2], each lane's pair
+// of columns side by side (the layout AMX's tile products read, panels.h), the padding zeros.
 template <typename W>
 void pack_into(const float* src, W* dst, int64_t n, int64_t k) {
+    const int64_t stride = std::is_same_v<W, float> ? k : panel_columns(k);
     at::parallel_for(0, (n + LANES - 1) / LANES, 1, [&](int64_t p0, int64_t p1) {
         for (int64_t p = p0; p < p1; p++) {
             for (int64_t c = 0; c < k; c++) {
-                for (int64_t lane = 0; lane < LANES; lane++) {
-                    const int64_t j = p * LANES + lane;
-                    const float v = j < n ? src[j * k + c] : 0.f;
+                for (int64_t lane = 0; lane < LANES && p * LANES + lane < n; lane++) {
+                    const float v = src[(p * LANES + lane) * k + c];
                     if constexpr (std::is_same_v<W, float>) {
                         dst[(p * k + c) * LANES + lane] = v;
                     } else {
-                        dst[(p * k + c) * LANES + lane] = static_cast<W>(c10::bit_cast<uint32_t>(v) >> 16);
+                        dst[(p * stride + (c & ~int64_t{1})) * LANES + 2 * lane + (c & 1)] = static_cast<W>(c10::bit_cast<uint32_t>(v) >> 16);
                     }
                 }
             }
@@ -78,7 +82,7 @@ void pack_into(const float* src, W* dst, int64_t n, int64_t k) {
 at::Tensor pack(const at::Tensor& w) {
     const int64_t n = w.size(0), k = w.size(1), panels = (n + LANES - 1) / LANES;
     const bool half = bfloat16_exact(w);
-    at::Tensor packed = at::empty({panels, k, LANES}, w.options().dtype(half ? at::kBFloat16 : at::kFloat));
+    at::Tensor packed = at::zeros({panels, half ? panel_columns(k) : k, LANES}, w.options().dtype(half ? at::kBFloat16 : at::kFloat));
     if (half) {
         pack_into(w.data_ptr<float>(), reinterpret_cast<uint16_t*>(packed.data_ptr()), n, k);
     } else {
@@ -87,25 +91,44 @@ at::Tensor pack(const at::Tensor& w) {
     return packed;
 }
 
-// One vector of a panel as float32: bfloat16 bits widened by a shift, which is exact.
+// One vector of a float32 panel.
 inline Vec load_lanes(const float* p) { return Vec::loadu(p); }
 
-inline Vec load_lanes(const uint16_t* p) {
+// Two vectors of a bfloat16 panel, columns c and c + 1 (pairs[0] and pairs[1]), widened to float32 by
+// a shift and a mask, which is exact.
+inline void load_pairs(const uint16_t* p, Vec* pairs) {
 #if defined(CPU_CAPABILITY_AVX512)
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+    const __m512i bits = _mm512_loadu_si512(p);
+    pairs[0] = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+    pairs[1] = _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(0xffff0000u)));
 #elif defined(CPU_CAPABILITY_AVX2)
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    pairs[0] = _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
+    pairs[1] = _mm256_castsi256_ps(_mm256_and_si256(bits, _mm256_set1_epi32(0xffff0000u)));
 #else
-    float lanes[LANES];
-    for (int64_t i = 0; i < LANES; i++) lanes[i] = c10::bit_cast<float>(static_cast<uint32_t>(p[i]) << 16);
-    return Vec::loadu(lanes);
+    float lanes[2][LANES];
+    for (int64_t i = 0; i < LANES; i++) {
+        for (int j = 0; j < 2; j++) lanes[j][i] = c10::bit_cast<float>(static_cast<uint32_t>(p[2 * i + j]) << 16);
+    }
+    pairs[0] = Vec::loadu(lanes[0]);
+    pairs[1] = Vec::loadu(lanes[1]);
 #endif
 }
 
-// R rows against P panels from output `col` on: R x P sums stay in registers.
-template <int R, int P, typename W>
-void block(const float* x, const W* panels, float* out, int64_t k, int64_t n, int64_t col) {
-    constexpr int64_t ahead = AHEAD_BYTES / (LANES * sizeof(W));
+template <int R, int P>
+void store_block(Vec (&acc)[R][P], float* out, int64_t n, int64_t col) {
+    for (int r = 0; r < R; r++) {
+        for (int p = 0; p < P; p++) {
+            const int64_t j = col + p * LANES;
+            acc[r][p].store(out + r * n + j, static_cast<int>(std::min(LANES, n - j)));
+        }
+    }
+}
+
+// R rows against P float32 panels from output `col` on: R x P sums stay in registers.
+template <int R, int P>
+void block(const float* x, const float* panels, float* out, int64_t k, int64_t n, int64_t col) {
+    constexpr int64_t ahead = AHEAD_BYTES / (LANES * sizeof(float));
     Vec acc[R][P];
     for (int r = 0; r < R; r++) for (int p = 0; p < P; p++) acc[r][p] = Vec(0.f);
     for (int64_t c = 0; c < k; c++) {
@@ -119,12 +142,43 @@ void block(const float* x, const W* panels, float* out, int64_t k, int64_t n, in
             for (int p = 0; p < P; p++) acc[r][p] = at::vec::fmadd(xr, w[p], acc[r][p]);
         }
     }
-    for (int r = 0; r < R; r++) {
-        for (int p = 0; p < P; p++) {
-            const int64_t j = col + p * LANES;
-            acc[r][p].store(out + r * n + j, static_cast<int>(std::min(LANES, n - j)));
+    store_block(acc, out, n, col);
+}
+
+// One step of the block below: columns c and, if BOTH, c + 1 of P bfloat16 panels into R x P sums.
+// Where the sums and both columns of every panel fit the registers, each broadcast input serves all P
+// panels; else (4 rows x 6 panels) one panel's columns at a time.
+template <int R, int P, bool BOTH>
+inline void pair_step(const float* x, const uint16_t* panels, int64_t k, int64_t stride, int64_t c, Vec (&acc)[R][P]) {
+    constexpr int64_t ahead = AHEAD_BYTES / (LANES * sizeof(uint16_t));
+    constexpr int held = R * P + 2 * P + 1 <= VECTOR_REGISTERS ? P : 1;  // panels whose columns are loaded together
+    for (int p0 = 0; p0 < P; p0 += held) {
+        Vec w[held][2];
+        for (int p = 0; p < held; p++) {
+            const uint16_t* at = panels + ((p0 + p) * stride + c) * LANES;
+            __builtin_prefetch(at + ahead * LANES, 0, 1);  // never faults, also past the end
+            load_pairs(at, w[p]);
+        }
+        for (int r = 0; r < R; r++) {
+            const Vec even(x[r * k + c]);
+            for (int p = 0; p < held; p++) acc[r][p0 + p] = at::vec::fmadd(even, w[p][0], acc[r][p0 + p]);
+            if constexpr (BOTH) {
+                const Vec odd(x[r * k + c + 1]);
+                for (int p = 0; p < held; p++) acc[r][p0 + p] = at::vec::fmadd(odd, w[p][1], acc[r][p0 + p]);
+            }
         }
     }
+}
+
+// The same against bfloat16 panels, two columns a load: each sum adds column c, then c + 1, as above.
+template <int R, int P>
+void block(const float* x, const uint16_t* panels, float* out, int64_t k, int64_t n, int64_t col) {
+    const int64_t stride = panel_columns(k);
+    Vec acc[R][P];
+    for (int r = 0; r < R; r++) for (int p = 0; p < P; p++) acc[r][p] = Vec(0.f);
+    for (int64_t c = 0; c + 1 < k; c += 2) pair_step<R, P, true>(x, panels, k, stride, c, acc);
+    if (k % 2) pair_step<R, P, false>(x, panels, k, stride, k - 1, acc);
+    store_block(acc, out, n, col);
 }
 
 // Rows [0, count) of a block, count <= R, against P panels.
@@ -151,8 +205,9 @@ void group_against(int64_t count, const float* x, int64_t rows, const W* group, 
 
 template <int P, int BLOCK, typename W>
 void run_groups(const float* x, int64_t rows, int64_t k, const W* panels, int64_t n, float* out, int64_t q0, int64_t q1) {
+    const int64_t stride = std::is_same_v<W, float> ? k : panel_columns(k);
     for (int64_t p0 = q0; p0 < q1; p0 += P) {
-        group_against<P, BLOCK>(std::min<int64_t>(P, q1 - p0), x, rows, panels + p0 * k * LANES, out, k, n, p0 * LANES);
+        group_against<P, BLOCK>(std::min<int64_t>(P, q1 - p0), x, rows, panels + p0 * stride * LANES, out, k, n, p0 * LANES);
     }
 }
 
@@ -193,7 +248,9 @@ at::Tensor panels_of(const at::Tensor& w) {
 
 void panel_run(const float* x, int64_t rows, int64_t k, const at::Tensor& panels, int64_t n, float* out, int64_t q0, int64_t q1) {
     if (panels.scalar_type() == at::kBFloat16) {
-        run_panels(x, rows, k, reinterpret_cast<const uint16_t*>(panels.data_ptr()), n, out, q0, q1);
+        const uint16_t* half = reinterpret_cast<const uint16_t*>(panels.data_ptr());
+        if (rows >= AMX_MIN_ROWS && amx_enabled()) return amx_run(x, rows, k, half, n, out, q0, q1);
+        run_panels(x, rows, k, half, n, out, q0, q1);
     } else {
         run_panels(x, rows, k, panels.data_ptr<float>(), n, out, q0, q1);
     }

@@ -5,6 +5,8 @@
 // nothing is reduced across lanes (see docs/passes.md, panel_linear). A weight whose every element is
 // a bfloat16 value (a bfloat16 checkpoint's, upcast) is copied as bfloat16: half the bytes to read,
 // and widened back on load to the same float32 values, so every product is bit for bit the same.
+// Its panels keep each lane's columns in pairs, [panels][in padded][PANEL_LANES][2], so that one load
+// widens to two columns, and AMX's tile products (panel_amx.cpp) read them as they are.
 #pragma once
 
 #include "ops.h"
@@ -21,6 +23,12 @@ constexpr int64_t PANEL_ROW_BLOCK = 8;
 constexpr int64_t PANEL_ROW_BLOCK = 4;
 #endif
 constexpr int64_t PANEL_MAX_ROWS = 16;
+// The columns of bfloat16 panels: `in` padded with zeros to whole blocks of an AMX tile product.
+constexpr int64_t PANEL_K_BLOCK = 32;
+inline int64_t panel_columns(int64_t k) { return (k + PANEL_K_BLOCK - 1) / PANEL_K_BLOCK * PANEL_K_BLOCK; }
+// Rows from which products of bfloat16 panels run on AMX's tiles where the machine has them: below,
+// reading the weights sets the pace and the vector units keep up (benchmarks/README.md, "AMX").
+constexpr int64_t AMX_MIN_ROWS = 8;
 
 // The panels of `weight` (contiguous float32 [out, in]; float32 or bfloat16, see above), made on its
 // first use and kept beside it; made again after an in-place update, and never served for a freed
@@ -29,6 +37,13 @@ at::Tensor panels_of(const at::Tensor& weight);
 
 // Panels [q0, q1) of out [rows, n] = x [rows, k] W^T, on the calling thread.
 void panel_run(const float* x, int64_t rows, int64_t k, const at::Tensor& panels, int64_t n, float* out, int64_t q0, int64_t q1);
+
+// Whether products of AMX_MIN_ROWS rows or more run on AMX (panel_amx.cpp): the machine has it, the
+// process may use it, and neither COMPILED_MTP_AMX=0 nor compiled_mtp::panel_amx(False) turned it off.
+bool amx_enabled();
+
+// panel_run on AMX's tiles, for bfloat16 panels.
+void amx_run(const float* x, int64_t rows, int64_t k, const uint16_t* panels, int64_t n, float* out, int64_t q0, int64_t q1);
 
 // out [rows, n] = x [rows, k] W^T, reading W's panels (panels_of), on at::parallel_for's threads.
 void panel_product(const float* x, int64_t rows, int64_t k, const at::Tensor& panels, int64_t n, float* out);

@@ -238,15 +238,16 @@ def test_weight_flops_count_every_matrix_a_token_multiplies_by(echo_checkpoint):
     assert target + mtp == matrices - unused - 2 * model.model.embed_tokens.weight.numel() + head
 
 
-@given(
+ROOFLINE_DRAWS = dict(
     target=st.integers(1, 10**9),
     draft=st.lists(st.integers(1, 10**8), min_size=1, max_size=3),
-    head=st.integers(0, 10**7),
     rate=st.floats(1e6, 1e15),
-    bandwidth=st.floats(1e6, 1e12),
     depths=st.lists(st.integers(0, 5), min_size=1, max_size=4, unique=True),
     batches=st.lists(st.integers(1, 64), min_size=1, max_size=4, unique=True),
 )
+
+
+@given(**ROOFLINE_DRAWS, head=st.integers(0, 10**7), bandwidth=st.floats(1e6, 1e12))
 def test_the_roofline_never_allows_more_than_the_bandwidth_bound(
     target, draft, head, rate, bandwidth, depths, batches
 ):
@@ -268,15 +269,7 @@ def test_the_roofline_never_allows_more_than_the_bandwidth_bound(
     assert all(free.roofline_steps_per_s[f"{k}/{b}"] == free.steps_per_s[k] for k in depths for b in batches)
 
 
-@given(
-    target=st.integers(1, 10**9),
-    draft=st.lists(st.integers(1, 10**8), min_size=1, max_size=3),
-    rate=st.floats(1e6, 1e15),
-    faster=st.floats(1.0, 100.0),
-    tile_rows=st.integers(1, 16),
-    depths=st.lists(st.integers(0, 5), min_size=1, max_size=4, unique=True),
-    batches=st.lists(st.integers(1, 64), min_size=1, max_size=4, unique=True),
-)
+@given(**ROOFLINE_DRAWS, faster=st.floats(1.0, 100.0), tile_rows=st.integers(1, 16))
 def test_faster_tile_products_never_lower_the_roofline(
     target, draft, rate, faster, tile_rows, depths, batches
 ):

@@ -9,7 +9,7 @@
 // same float32 sums: the products are the float32 ones, and only the order of the additions differs
 // from the vector path's (the sums agree to float32 rounding; tests/test_ops.py). At 16 rows the
 // vector units do 16 multiply-adds for every weight element loaded, more than the machine reads
-// weights at; the tile unit does them in a few cycles a tile (benchmarks/README.md, "AMX").
+// weights at; the tile unit does them in a few cycles a tile (benchmarks/README.md, "AMX's tile products").
 #include <atomic>
 #include <utility>
 #include <cstdlib>
@@ -50,7 +50,7 @@ constexpr int64_t LANES = PANEL_LANES, PARTS = 3, GROUP = 3;  // panels at once:
 constexpr int64_t PAIR_ROW = 2 * LANES * sizeof(uint16_t);  // bytes of a tile row of weights: each lane's pair of columns
 constexpr int64_t BLOCK_BYTES = PANEL_K_BLOCK * LANES * sizeof(uint16_t);  // a tile of weights
 // Bytes of each panel prefetched ahead of the tile loads (6 tiles): without it, panels read cold
-// took 1.3-1.6x the vector path's time (benchmarks/README.md, "AMX").
+// took 1.3-1.6x the vector path's time (benchmarks/README.md, "AMX's tile products").
 constexpr int64_t AHEAD_BYTES = 6 * BLOCK_BYTES;
 
 struct TileConfig {

@@ -155,9 +155,9 @@ inline void pair_step(const float* x, const uint16_t* panels, int64_t k, int64_t
     for (int p0 = 0; p0 < P; p0 += held) {
         Vec w[held][2];
         for (int p = 0; p < held; p++) {
-            const uint16_t* at = panels + ((p0 + p) * stride + c) * LANES;
-            __builtin_prefetch(at + ahead * LANES, 0, 1);  // never faults, also past the end
-            load_pairs(at, w[p]);
+            const uint16_t* pair = panels + ((p0 + p) * stride + c) * LANES;
+            __builtin_prefetch(pair + ahead * LANES, 0, 1);  // never faults, also past the end
+            load_pairs(pair, w[p]);
         }
         for (int r = 0; r < R; r++) {
             const Vec even(x[r * k + c]);

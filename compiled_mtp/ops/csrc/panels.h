@@ -26,8 +26,8 @@ constexpr int64_t PANEL_MAX_ROWS = 16;
 // The columns of bfloat16 panels: `in` padded with zeros to whole blocks of an AMX tile product.
 constexpr int64_t PANEL_K_BLOCK = 32;
 inline int64_t panel_columns(int64_t k) { return (k + PANEL_K_BLOCK - 1) / PANEL_K_BLOCK * PANEL_K_BLOCK; }
-// Rows from which products of bfloat16 panels run on AMX's tiles where the machine has them: below,
-// reading the weights sets the pace and the vector units keep up (benchmarks/README.md, "AMX").
+// Rows from which products of bfloat16 panels run on AMX's tiles where the machine has them: on 4 rows
+// the tiles took 1.09x the vector path's time in the graphs (benchmarks/README.md, "AMX's tile products").
 constexpr int64_t AMX_MIN_ROWS = 8;
 
 // The panels of `weight` (contiguous float32 [out, in]; float32 or bfloat16, see above), made on its

@@ -14,15 +14,17 @@ namespace compiled_mtp {
 namespace {
 constexpr int64_t LANES = PANEL_LANES;
 constexpr int64_t PANELS = 3;  // panels a thread works on at once: a row block x 3 accumulators, 3 weight vectors
-// Up to 4 rows (a verify of K = 3 at B = 1) take 6 panels at once with AVX-512: 24 sums, 6 weight
-// vectors and an input still fit its 32 registers, and each panel vector widened from bfloat16 and
-// each broadcast input then serve twice the multiply-adds (benchmarks/README.md, "Six panels").
+// Up to 3 rows take 6 panels at once with AVX-512, so each panel vector widened from bfloat16 and each
+// broadcast input serve twice the multiply-adds (benchmarks/README.md, "Six panels"). 4 rows (a verify
+// of K = 3 at B = 1) take 4: with 6, both columns of every panel no longer fit beside the 24 sums and
+// were loaded a panel at a time, and one MLP took 1.06-1.11x the time of 4 panels cold; with 5, 1.04x
+// (the MLP's runs of 32 and 8 panels a thread are whole groups of 4; "Four panels at 4 rows").
 #if defined(CPU_CAPABILITY_AVX512)
-constexpr int64_t FEW_ROWS = 4, FEW_ROW_PANELS = 6;
+constexpr int64_t FEW_ROWS = 3, FEW_ROW_PANELS = 6, FOUR_ROW_PANELS = 4;
 constexpr int VECTOR_REGISTERS = 32;
 #else
 constexpr int VECTOR_REGISTERS = 16;
-constexpr int64_t FEW_ROWS = 0, FEW_ROW_PANELS = PANELS;
+constexpr int64_t FEW_ROWS = 0, FEW_ROW_PANELS = PANELS, FOUR_ROW_PANELS = PANELS;
 #endif
 // Bytes of each panel prefetched ahead (96 steps along `in` of float32): with the hardware's prefetch
 // alone, a cold MLP at 4-16 rows took 1.05-1.2x the time, in turns (benchmarks/README.md).
@@ -147,7 +149,7 @@ void block(const float* x, const float* panels, float* out, int64_t k, int64_t n
 
 // One step of the block below: columns c and, if BOTH, c + 1 of P bfloat16 panels into R x P sums.
 // Where the sums and both columns of every panel fit the registers, each broadcast input serves all P
-// panels; else (4 rows x 6 panels) one panel's columns at a time.
+// panels; else (AVX2's 16 registers at 4 rows x 3 panels) one panel's columns at a time.
 template <int R, int P, bool BOTH>
 inline void pair_step(const float* x, const uint16_t* panels, int64_t k, int64_t stride, int64_t c, Vec (&acc)[R][P]) {
     constexpr int64_t ahead = AHEAD_BYTES / (LANES * sizeof(uint16_t));
@@ -215,6 +217,7 @@ template <typename W>
 void run_panels(const float* x, int64_t rows, int64_t k, const W* panels, int64_t n, float* out, int64_t q0, int64_t q1) {
     if constexpr (FEW_ROWS > 0) {
         if (rows <= FEW_ROWS) return run_groups<FEW_ROW_PANELS, FEW_ROWS>(x, rows, k, panels, n, out, q0, q1);
+        if (rows == 4) return run_groups<FOUR_ROW_PANELS, 4>(x, rows, k, panels, n, out, q0, q1);
     }
     run_groups<PANELS, PANEL_ROW_BLOCK>(x, rows, k, panels, n, out, q0, q1);
 }

@@ -16,7 +16,7 @@ namespace compiled_mtp {
 constexpr int64_t PANEL_LANES = Vec::size();
 // Rows whose sums stay in registers: a block's rows x 3 panels of sums, 3 weight vectors and an input
 // must fit the vector registers, 32 with AVX-512 and 16 with AVX2, where blocks of 8 rows spilled
-// (up to 4 rows take 6 panels at once with AVX-512, panel_linear.cpp).
+// (with AVX-512, up to 3 rows take 6 panels at once and 4 rows take 4, panel_linear.cpp).
 #if defined(CPU_CAPABILITY_AVX512)
 constexpr int64_t PANEL_ROW_BLOCK = 8;
 #else

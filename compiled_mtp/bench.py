@@ -628,7 +628,7 @@ def tile_rate(device: str, dtype: torch.dtype, runs: int = 5) -> tuple[int, floa
     which stays in cache): (0, 0.0) where they do not run (no AMX, another device or dtype)."""
     if device != "cpu" or dtype != torch.float32 or not library.load():
         return 0, 0.0
-    rows = torch.ops.compiled_mtp.panel_amx(True)
+    rows = torch.ops.compiled_mtp.panel_amx()  # as they are: a bench times the engine as it runs
     if not rows:
         return 0, 0.0
     x, weight = torch.randn(16, 1024), torch.randn(512, 1024).bfloat16().float()

@@ -80,8 +80,10 @@ def _off_bfloat16(weight: torch.Tensor, index: tuple) -> torch.Tensor:
 
 @contextlib.contextmanager
 def vector_products():
-    """AMX's tile products off (where the machine has them) inside: the vector path alone."""
-    rows = ops.panel_amx(False)
+    """AMX's tile products off (where the machine has them) inside: the vector path alone; after, as
+    they were."""
+    rows = ops.panel_amx()
+    ops.panel_amx(False)
     try:
         yield
     finally:
@@ -134,7 +136,7 @@ def test_dense_mlp_on_bfloat16_weights_gives_the_float32_products_bit_for_bit(ro
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
-AMX_ROWS = ops.panel_amx(True)  # 0 where the machine or the build has no AMX
+AMX_ROWS = ops.panel_amx()  # 0 where the machine or the build has no AMX, or COMPILED_MTP_AMX=0
 needs_amx = pytest.mark.skipif(not AMX_ROWS, reason="no AMX on this machine")
 
 
@@ -162,21 +164,23 @@ def test_amx_products_are_the_float32_products(rows, out_features, in_features, 
     gen = torch.Generator().manual_seed(seed)
     (weight,) = _bfloat16_valued((out_features, in_features), generator=gen)
     x = torch.randn(rows, in_features, generator=gen) * scale
+    assert ops.panel_amx() == AMX_ROWS  # the tiles on, whatever the tests before switched
     _float32_rounding(ops.panel_linear(x, weight), x, weight)
 
 
 @needs_amx
 def test_amx_products_switch_off_and_on():
     """panel_amx(False) leaves every row count on the vector path, bit for bit the float32 panels';
-    panel_amx(True) takes AMX_MIN_ROWS rows and more back to the tiles."""
+    panel_amx(True) takes AMX_MIN_ROWS rows and more back to the tiles; panel_amx() only reads which."""
     gen = torch.Generator().manual_seed(5)
     (weight,) = _bfloat16_valued((96, 256), generator=gen)
     moved = _off_bfloat16(weight, (0, 0))
     x = torch.randn(16, 256, generator=gen)
     x[:, 0] = 0.0
     with vector_products():
-        assert ops.panel_amx(False) == 0
+        assert ops.panel_amx(False) == 0 and ops.panel_amx() == 0
         assert torch.equal(ops.panel_linear(x, weight), ops.panel_linear(x, moved))
+    assert ops.panel_amx() == AMX_ROWS  # vector_products leaves them as they were
     assert ops.panel_amx(True) == AMX_ROWS
     tiles = ops.panel_linear(x, weight)
     _float32_rounding(tiles, x, weight)

@@ -1,6 +1,6 @@
 // Products of bfloat16 panels (panels.h) on AMX's tile unit, for AMX_MIN_ROWS to 16 rows, and
-// compiled_mtp::panel_amx(bool enabled) -> int, which turns them on or off (benchmarks, tests) and
-// returns the fewest rows that run on AMX from then on, 0 where none do.
+// compiled_mtp::panel_amx(bool? enabled=None) -> int, which turns them on or off when given `enabled`
+// (benchmarks, tests) and returns the fewest rows that run on AMX from then on, 0 where none do.
 //
 // A tile product multiplies bfloat16 values and adds in float32. The rows are float32, so each is
 // split into three bfloat16 parts, x = hi + mid + lo, each the top 16 bits of what the parts before
@@ -11,6 +11,7 @@
 // vector units do 16 multiply-adds for every weight element loaded, more than the machine reads
 // weights at; the tile unit does them in a few cycles a tile (benchmarks/README.md, "AMX's tile products").
 #include <atomic>
+#include <optional>
 #include <utility>
 #include <cstdlib>
 #include <cstring>
@@ -151,8 +152,8 @@ void tile_run(const float* x, int64_t rows, int64_t k, const uint16_t* panels, i
 #pragma GCC pop_options
 #endif
 
-int64_t panel_amx(bool enabled) {
-    amx_on = enabled && amx_available;
+int64_t panel_amx(std::optional<bool> enabled) {
+    if (enabled.has_value()) amx_on = *enabled && amx_available;
     return amx_on ? AMX_MIN_ROWS : 0;
 }
 
@@ -168,6 +169,6 @@ void amx_run(const float* x, int64_t rows, int64_t k, const uint16_t* panels, in
 #endif
 }
 
-TORCH_LIBRARY_FRAGMENT(compiled_mtp, m) { m.def("panel_amx(bool enabled) -> int", panel_amx); }
+TORCH_LIBRARY_FRAGMENT(compiled_mtp, m) { m.def("panel_amx(bool? enabled=None) -> int", panel_amx); }
 
 }  // namespace compiled_mtp

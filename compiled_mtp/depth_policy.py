@@ -19,19 +19,28 @@ cost(bucket, K) is a key's wall time at a reference speed of the machine, the fi
 out: the first compiles or loads the graphs, and the second runs on the caches that loading emptied (up
 to 60% slower than the steps after it, here). The machine's speed itself moves by half within a
 fraction of a second here, so a cost is only compared with costs taken at the same speed: a step at the
-depth the bucket ran last updates the bucket's speed (its time over its key's cost), and any other step
-(a probe, or the first after a change) updates its key's cost: the median of the key's last
-`cost_window` timings, each over the speed of its moment. One step's time is off the next one's by
-20-30% here: in a trace at B=4, one K=1 step timed in a slow moment replaced K=1's cost (3.87 ms at the
-reference speed, then 5.13) and moved auto to K=0 and K=2 for the rest of a round in which K=1 was the
-fastest fixed depth. A key never run is tried before any choice is made from the others, so every cost
-is measured, never typed in: each key's two untimed calls run back to back, then every key's first
-timed step, in a row, at one speed. The depth changes only when another's value beats the current one's
-by `margin` (hysteresis: a near tie is within the noise of the estimates), or by `zero_margin` for a
-change to or from depth 0, which costs more than the steps it is timed on: leaving depth 0 first runs
-the MTP catch-up, and the requests of a batch that drafts finish at different steps, so its last steps
-run the bucket for fewer rows. The current depth is each bucket's own: a batch whose last request
-runs alone at depth 3 comes back to its own depth 0 with the margin counted from there.
+depth the bucket holds updates the bucket's speed (its time over its key's cost), and a probe's step
+updates its key's cost: the median of the key's last `cost_window` timings, each over the speed of its
+moment. Only steps at the depth of the bucket's step before them are timed. The first step after a
+change takes longer than the held steps after it (at B=4 here, a change from depth 0 up 1.12-1.22x:
+the Python between the graphs and the graphs themselves run on caches the other depth's steps
+filled), and costs taken from first steps favoured whichever depth was held: every other depth's cost
+carried its first step's extra time. At B=4 they put K=1, K=2 and K=3 at 1.85x, 2.33x and 2.82x
+K=0's cost where held steps take 1.39x, 1.80x and 2.01x, and auto held K=0, 0.82x the best fixed
+depth. So a probe runs `probe_steps` steps at its depth, and the first is not timed; nor is the first
+step after a change of the held depth. One step's time is off the next one's by 20-30% here: in a
+trace at B=4, one K=1 step timed in a slow moment replaced K=1's cost (3.87 ms at the reference speed,
+then 5.13) and moved auto to K=0 and K=2 for the rest of a round in which K=1 was the fastest fixed
+depth. A key never run is tried before any choice is made from the others, so every cost is measured,
+never typed in: each key's two untimed calls run back to back, then each key's first timed step (its
+second after the change to it), one key after another, at one speed. The depth changes only when
+another's value beats the current one's by `margin` (hysteresis: a near tie is within the noise of the
+estimates; at 2%, a lone request's rates moved it from K=3 to K=2, 0.93x as fast, on a quarter of its
+steps), or by `zero_margin` for a change to or from depth 0, which costs more than the steps it is
+timed on: leaving depth 0 first runs the MTP catch-up, and the requests of a batch that drafts finish
+at different steps, so its last steps run the bucket for fewer rows. The current depth is each
+bucket's own: a batch whose last request runs alone at depth 3 comes back to its own depth 0 with the
+margin counted from there.
 
 A batch of several requests finishes when its last request does. At depth 0 each request commits
 one token a step; drafting commits a random number, so the requests part, and the batch's last steps
@@ -47,7 +56,7 @@ generated together) would finish together at depth 0, so such a batch changes to
 `margin`; at a batch's first step it runs no catch-up either, since each prefill ran the MTP layer.
 
 A cost is only as current as the last step run at that key: a depth that lost once would never be
-measured again. So every depth not run for `probe_every` steps of a bucket runs one step; every depth
+measured again. So every depth not run for `probe_every` steps of a bucket runs a probe; every depth
 within `close` of the current one's value runs every `close_probe_every` steps: a near tie is what one
 noisy measurement decides wrongly, and a probe of a depth worth nearly as much costs nearly nothing. So
 does a depth whose last timing alone would beat the current one, however far behind its median puts it:
@@ -56,7 +65,7 @@ last timing must beat the current depth by the margin a change needs: where dept
 K=0 a step (B=4 here), one fast timing each would have them probed every 16 steps, a catch-up each.
 Of the depths due, the most valuable runs first.
 
-A probe of a depth far behind costs more: its step takes longer than the current depth would for the
+A probe of a depth far behind costs more: its steps take longer than the current depth would for the
 same tokens. So does any probe across depth 0, near tie or not: leaving depth 0 first runs the MTP
 catch-up (whose time the runtime reports), and so does the first step back at K > 0 after a probe of
 depth 0. Such a depth waits, beyond `probe_every`, until its probe's loss is at most `probe_share`
@@ -135,13 +144,14 @@ class DepthPolicy:
         request_alpha: float = 0.15,
         cost_window: int = 5,
         speed_alpha: float = 0.3,
-        margin: float = 0.02,
-        zero_margin: float = 0.05,
+        margin: float = 0.06,
+        zero_margin: float = 0.06,
         probe_every: int = 64,
         close: float = 0.1,
         close_probe_every: int = 16,
         probe_share: float = 0.005,
         probe_most: int = 512,
+        probe_steps: int = 2,
         recheck_every: int = 4,
     ) -> None:
         self.depths = tuple(sorted(depths))
@@ -155,6 +165,7 @@ class DepthPolicy:
         self.close_probe_every = close_probe_every
         self.probe_share = probe_share
         self.probe_most = probe_most
+        self.probe_steps = probe_steps
         self.recheck_every = recheck_every
         self.current = self.depths[-1]  # the depth held by the bucket of the last choice
         self._held_by: dict[int, int] = {}  # the depth each bucket holds
@@ -165,6 +176,8 @@ class DepthPolicy:
         self._cost: dict[Key, float] = {}  # seconds at the bucket's speed 1
         self._speed: dict[int, float] = {}  # each bucket's time over its keys' costs, lately
         self._last: dict[int, int] = {}  # the depth of each bucket's last step
+        # Each bucket's probe in progress: its depth, and the bucket's step count when it ends.
+        self._probing: dict[int, tuple[int, int]] = {}
         self._seen: Counter[Key] = Counter()
         self._steps: Counter[int] = Counter()  # choices made per bucket
         # The bucket's step count when each key's cost was last measured.
@@ -229,13 +242,15 @@ class DepthPolicy:
             rates[j] += self.request_alpha * (hit - rates[j])
 
     def record_cost(self, bucket: int, depth: int, seconds: float) -> None:
+        """A step's wall time. Only a step at the depth of the bucket's step before it counts: the
+        first step after a change takes longer than the held steps after it (the module's docstring)."""
         key = (bucket, depth)
         self._seen[key] += 1
         steady, self._last[bucket] = self._last.get(bucket) == depth, depth
-        if self._seen[key] <= UNTIMED_CALLS:
+        if self._seen[key] <= UNTIMED_CALLS or not steady:
             return  # the first loads the key's graphs, the next runs on caches the load emptied
         speed = self._speed.get(bucket, 1.0)
-        if steady and key in self._cost:  # the machine's speed moved, not the key's cost
+        if key in self._cost and depth == self._held_by.get(bucket):  # the machine's speed moved
             self._speed[bucket] = speed + self.speed_alpha * (seconds / self._cost[key] - speed)
         else:
             self._cost[key] = self._median_of(self._samples[key], seconds / speed)
@@ -273,6 +288,10 @@ class DepthPolicy:
 
     def choose(self, bucket: int, rates: Sequence[Sequence[float]], remaining: Sequence[int]) -> int:
         """The depth for the next step of a batch in `bucket`: its requests' rates and wanted tokens."""
+        depth, end = self._probing.get(bucket, (-1, -1))
+        if self._steps[bucket] < end and self._last.get(bucket) == depth:  # the probe's timed steps
+            self._steps[bucket] += 1
+            return depth
         if bucket not in self._timed:
             loading = [k for k in self.depths if self._seen[bucket, k] < UNTIMED_CALLS]
             untried = [k for k in self.depths if (bucket, k) not in self._cost]
@@ -319,7 +338,10 @@ class DepthPolicy:
             if holds
             else NO_HOLD
         )
-        return max(probes, key=value.__getitem__, default=self.current)
+        probe = max(probes, key=value.__getitem__, default=self.current)
+        if probe != self.current:
+            self._probing[bucket] = (probe, self._steps[bucket] + self.probe_steps - 1)
+        return probe
 
     def values(
         self, bucket: int, rates: Sequence[Sequence[float]], remaining: Sequence[int]
@@ -375,17 +397,17 @@ class DepthPolicy:
 
     def _far_every(self, bucket: int, k: int, value: dict[int, float], remaining: Sequence[int]) -> float:
         """Steps between probes of depth k, far behind the current depth or on the other side of
-        depth 0: its probe's loss (the time its step takes beyond what the current depth takes for the
-        same tokens, plus the catch-up that leaving depth 0, or coming back to speculation after the
-        probe, runs) at most probe_share of the steps' time between, in probe_every..probe_most. A
-        batch of several requests ends with its slowest one, so a probe from depth 0 shortens it by a
-        step only if every request has a draft accepted; its loss is counted as its whole cost beyond a
-        depth-0 step, and the deeper depths share one probe_share."""
+        depth 0: its probe's loss (the time its probe_steps steps take beyond what the current depth
+        takes for the same tokens, plus the catch-up that leaving depth 0, or coming back to speculation
+        after the probe, runs) at most probe_share of the steps' time between, in
+        probe_every..probe_most. A batch of several requests ends with its slowest one, so a probe from
+        depth 0 shortens it by a step only if every request has a draft accepted; its loss is counted as
+        its whole cost beyond depth-0 steps, and the deeper depths share one probe_share."""
         current = self.current
-        loss = self._cost[bucket, k] * max(0.0, 1 - value[k] / value[current])
+        loss = self.probe_steps * self._cost[bucket, k] * max(0.0, 1 - value[k] / value[current])
         share = self.probe_share
         if current == 0 and len(remaining) > 1:
-            loss = max(loss, self._cost[bucket, k] - self._cost[bucket, 0])
+            loss = max(loss, self.probe_steps * (self._cost[bucket, k] - self._cost[bucket, 0]))
             share /= len(self.depths) - 1  # the deeper depths' probes share one budget
         if 0 in (k, current):
             loss += self._catch_up.get(bucket, 0.0)

@@ -50,14 +50,16 @@ def _served(
 
 def test_every_depth_is_measured_before_any_is_chosen_on_merit():
     """Each key's two untimed calls run back to back (a load, then a run on the caches it emptied);
-    then every key's first timed step, in a row, so that they meet the machine at one speed."""
+    then every key's first timed step, in a row, so that they meet the machine at one speed. A step
+    after a change of depth is not timed, so each key runs twice there."""
     policy = DepthPolicy((0, 1, 3))
     tried = []
-    for _ in range(9):
+    for _ in range(12):
         k = policy.choose(1, [[0.9] * 3], [100])
         tried.append(k)
         policy.record_cost(1, k, 0.001)
-    assert tried == [0, 0, 1, 1, 3, 3, 0, 1, 3]
+    assert tried == [0, 0, 1, 1, 3, 3, 0, 0, 1, 1, 3, 3]
+    assert policy._timed == set() and policy.values(1, [[0.9] * 3], [100])
     assert policy.choose(2, [[0.9] * 3], [100]) == 0  # another bucket is measured on its own
 
 
@@ -164,13 +166,35 @@ def test_requests_finishing_together_leave_a_depth_for_depth_0_at_the_ordinary_m
 
 def test_costs_follow_the_measurements():
     """Depth 2 became slow and depth 0 did not. Depth 2's own steps cannot tell that from a slower
-    machine; the next steps of depth 0, timed against them, can. A cost is the median of its
-    timings, so the first probe's cannot outvote the first timing: the second probe's does."""
+    machine; the next steps of depth 0, timed against them, can. A probe runs two steps and times the
+    second. A cost is the median of its timings, so the first probe's cannot outvote the first
+    timing: the second probe's does."""
     policy = DepthPolicy((0, 2), probe_every=4, probe_most=4, close=0.0)
     _measured(policy, 1, {0: 1.0, 2: 1.2})
     true_cost = {0: 1.0, 2: 3.0}  # for 1.75 tokens at depth 2, 1 at depth 0
-    chosen = _served(policy, 1, [[0.5, 0.5]], 13, lambda step, k: true_cost[k])
-    assert chosen == [2] * 4 + [0] + [2] * 4 + [0] * 4  # 1.75 / 1.2 > 1 / 1.0, until 0 ran twice
+    chosen = _served(policy, 1, [[0.5, 0.5]], 14, lambda step, k: true_cost[k])
+    assert chosen == [2] * 4 + [0] * 2 + [2] * 4 + [0] * 4  # 1.75 / 1.2 > 1 / 1.0, until 0 ran twice
+
+
+def test_the_first_step_after_a_change_times_no_cost():
+    """A step after a change of depth takes 1.3x a held one. Depth 1 beats depth 0 by 23% when held
+    (1.6 tokens for 1.3 against 1 for 1.0), but by its first steps it would lose (1.6 for 1.69): a
+    probe runs two steps and times only the second, so the policy leaves depth 0 at its first probe
+    (depth 1's cost the median of 1.69 and 1.3), then holds depth 1 and probes depth 0, two steps at
+    a time."""
+    policy = DepthPolicy((0, 1), probe_every=8, probe_most=8, close=0.0)
+    _measured(policy, 1, {0: 1.0, 1: 1.69})  # depth 1 timed at a first step
+    policy.current = 0
+    true_cost, last = {0: 1.0, 1: 1.3}, [0]
+
+    def seconds(step: int, k: int) -> float:
+        changed, last[0] = last[0] != k, k
+        return true_cost[k] * (1.3 if changed else 1.0)
+
+    chosen = _served(policy, 1, [[0.6]], 40, seconds)
+    assert chosen[:16] == [0] * 8 + [1] * 8 and policy.current == 1
+    runs = [len(list(run)) for k, run in itertools.groupby(chosen[16:]) if k == 0]
+    assert runs and set(runs) == {2}  # probes only
 
 
 def test_a_slower_machine_changes_no_choice():
@@ -183,7 +207,8 @@ def test_a_slower_machine_changes_no_choice():
     true_cost, rates = {2: 1.0, 3: 1.04}, [[0.86, 0.62, 0.42]]  # 2.39 tokens for 1.0, 2.62 for 1.04
     chosen = _served(policy, 1, rates, 60, lambda step, k: true_cost[k] * (1.5 if 4 <= step < 24 else 1.0))
     assert set(chosen) == {2, 3} and policy.current == 3
-    assert [step for step, k in enumerate(chosen) if k == 2] == [8, 17, 26, 35, 44, 53]  # probes only
+    probes = [step for step, k in enumerate(chosen) if k == 2]
+    assert probes == [s + i for s in range(8, 60, 10) for i in (0, 1)]  # probes of two steps only
 
 
 def test_each_depth_is_valued_at_its_own_steps_acceptance():
@@ -206,29 +231,30 @@ def test_each_depth_is_valued_at_its_own_steps_acceptance():
 
 def test_a_depth_that_lost_on_a_stale_cost_is_measured_again():
     """Depth 0 was measured once, slow (the machine was busy), so depth 1 won and depth 0 never ran
-    again. Every probe_every steps the runner-up runs once; its cost is the median of its timings, so
-    the second fresh one outvotes the stale one, and the policy moves to it, then keeps probing the
-    depth it left."""
+    again. Every probe_every steps the runner-up runs two steps, the second timed; its cost is the
+    median of its timings, so the second fresh one outvotes the stale one, and the policy moves to it,
+    then keeps probing the depth it left."""
     policy = DepthPolicy((0, 1), probe_every=8, probe_most=8, close=0.0)  # no near tie (next test)
     _measured(policy, 4, {0: 10.0, 1: 2.0})
     true_cost = {0: 1.0, 1: 2.0}  # 1 token for 1.0 beats 1.84 for 2.0
     chosen = _served(policy, 4, [[0.84]], 40, lambda step, k: true_cost[k])
-    assert chosen[:18] == [1] * 8 + [0] + [1] * 8 + [0]  # the probes of the stale depth, 9 steps apart
-    assert chosen[18] == 0 and policy.current == 0  # the second fresh timing won
-    assert chosen[18:].count(1) == 2 and chosen[-1] == 0  # one probe of depth 1 every 9 steps
+    assert chosen[:20] == ([1] * 8 + [0] * 2) * 2  # the probes of the stale depth, 10 steps apart
+    assert chosen[20] == 0 and policy.current == 0  # the second fresh timing won
+    assert chosen[20:].count(1) == 4 and chosen[-1] == 0  # a probe of depth 1 every 10 steps
 
 
 def test_a_depth_behind_the_runner_up_on_a_stale_cost_is_measured_again():
     """Depth 2 was measured once, slow (6.0 for a true 3.9), which put it behind depth 3 as well as
     depth 1; probing only the runner-up (depth 3) would never run it again. Every depth not run for
-    probe_every steps runs once, the runner-up first, and depth 2's fresh costs win at its second
+    probe_every steps runs a probe, the runner-up first, and depth 2's fresh costs win at its second
     probe, when they outvote the stale one."""
-    policy = DepthPolicy((1, 2, 3), probe_every=8, probe_most=8, close=0.0)  # no near tie
+    policy = DepthPolicy((1, 2, 3), margin=0.02, probe_every=8, probe_most=8, close=0.0)  # no near tie
     _measured(policy, 4, {1: 3.0, 2: 6.0, 3: 5.0})
     true_cost, rates = {1: 3.0, 2: 3.9, 3: 5.0}, [[0.84, 0.74, 0.58]]  # 1.84, 2.46 and 2.82 tokens
-    chosen = _served(policy, 4, rates, 22, lambda step, k: true_cost[k])
-    assert chosen[:10] == [1] * 8 + [3, 2] and chosen[17:19] == [3, 2]  # the runner-up, then the stalest
-    assert chosen[19:] == [2, 2, 2] and policy.current == 2  # 2.46 / 3.9 beats 1.84 / 3.0 by 3%
+    chosen = _served(policy, 4, rates, 26, lambda step, k: true_cost[k])
+    probes = [3, 3, 2, 2]  # the runner-up, then the stalest, two steps each
+    assert chosen[:12] == [1] * 8 + probes and chosen[18:22] == probes
+    assert chosen[22:26] == [2] * 4 and policy.current == 2  # 2.46 / 3.9 beats 1.84 / 3.0 by 3%
 
 
 @pytest.mark.parametrize("close", [0.1, 0.0])
@@ -242,8 +268,8 @@ def test_a_near_tie_is_probed_often_and_its_cost_taken_over_the_probes(close):
     true_cost, rates = {2: 1.0, 3: 1.04}, [[0.86, 0.62, 0.42]]  # 2.39 tokens for 1.0, 2.62 for 1.04
     chosen = _served(policy, 1, rates, 40, lambda step, k: true_cost[k])
     if close:
-        assert chosen[:10] == [2, 2, 2, 2, 3] * 2  # a probe every 5 steps
-        assert policy.current == 3 and chosen.index(3) < 5 and chosen[-10:] == [3, 3, 3, 2, 3] * 2
+        assert chosen[:12] == ([2] * 4 + [3] * 2) * 2  # a probe of two steps after every 4
+        assert policy.current == 3 and chosen[-12:] == ([3] * 4 + [2] * 2) * 2
     else:
         assert chosen == [2] * 40
 
@@ -256,10 +282,10 @@ def test_one_timing_in_a_fast_moment_moves_no_choice():
     _measured(policy, 1, {2: 1.0, 3: 1.04})
     true_cost, rates = {2: 1.0, 3: 1.04}, [[0.86, 0.62, 0.42]]  # 2.39 tokens for 1.0, 2.62 for 1.04
     chosen = _served(policy, 1, rates, 16, lambda step, k: true_cost[k])
-    assert chosen.count(2) == 3 and policy.current == 3  # probes, each timed at its true cost
-    fast = iter([0.5])  # the next probe of depth 2 only
+    assert chosen.count(2) == 4 and policy.current == 3  # two probes, each timed at its true cost
+    fast = iter([1.0, 0.5])  # the next probe of depth 2 only, its second step: the one timed
     chosen = _served(policy, 1, rates, 20, lambda step, k: true_cost[k] * (next(fast, 1.0) if k == 2 else 1))
-    assert chosen.count(2) == 4 and policy.current == 3  # probes only
+    assert chosen.count(2) == 8 and policy.current == 3  # four probes only
 
 
 @given(accepted=st.integers(0, 3), depth=st.integers(1, 3), rates=rates_st)
@@ -293,10 +319,11 @@ def test_the_pooled_counts_sum_every_depths_counts(steps):
 
 
 def test_a_far_depth_is_probed_as_often_as_its_loss_allows():
-    """K=0 wins by far, as at a large batch: a probe of depth 3 takes 4.0 for 2.05 tokens, which take
-    2.05 at depth 0 (a loss of 1.95), and leaving depth 0 runs a catch-up of 1.2 first. At 1% of the
-    steps' time per probe, depth 3 would wait 315 steps, capped at probe_most = 200; depth 1, losing
-    0.2 + 1.2, waits 140; without the catch-up, probe_every = 64."""
+    """K=0 wins by far, as at a large batch: a step of depth 3 takes 4.0 for 2.05 tokens, which take
+    2.05 at depth 0 (a loss of 1.95), a probe runs two such steps, and leaving depth 0 runs a catch-up
+    of 1.2 first. At 1% of the steps' time per probe, depth 3 would wait 510 steps, capped at
+    probe_most = 200; depth 1, losing 2 x 0.2 + 1.2, waits 160 (159.99..., the floats' rounding);
+    without the catch-up, probe_every = 64."""
     rates = [[0.6, 0.5, 0.5]]  # 1.6 tokens at depth 1, 2.05 at depth 3
     true_cost = {0: 1.0, 1: 1.8, 3: 4.0}
     policy = DepthPolicy((0, 1, 3), probe_share=0.01, probe_most=200, close=0.0)
@@ -305,11 +332,11 @@ def test_a_far_depth_is_probed_as_often_as_its_loss_allows():
         policy.record_catch_up(8, seconds)
     chosen = _served(policy, 8, rates, 420, lambda step, k: true_cost[k])
     probes = {k: [step for step, c in enumerate(chosen) if c == k] for k in (1, 3)}
-    assert probes[1] == [140, 281] and probes[3] == [200, 401]
+    assert probes[1] == [159, 160, 321, 322] and probes[3] == [200, 201, 402, 403]
     policy = DepthPolicy((0, 1, 3), probe_share=0.01, probe_most=200, close=0.0)
     _measured(policy, 8, true_cost)
     chosen = _served(policy, 8, rates, 140, lambda step, k: true_cost[k])
-    assert [step for step, c in enumerate(chosen) if c == 1] == [64, 129]
+    assert [step for step, c in enumerate(chosen) if c == 1] == [64, 65, 130, 131]
 
 
 @given(steps=st.lists(st.tuples(st.sampled_from([0, 1, 3]), st.integers(0, 3), st.booleans()), max_size=150))
@@ -328,16 +355,18 @@ def test_calibration_is_recomputed_once_a_64th_more_drafts_were_tested(steps):
 
 
 @pytest.mark.parametrize(
-    ("rates", "current", "catch_up", "probes"), [([0.75], 0, 0.52, [122, 245]), ([0.9], 1, 1.0, [112, 225])]
+    ("rates", "current", "catch_up", "probes"),
+    [([0.75], 0, 0.52, [140, 141, 282, 283]), ([0.9], 1, 1.0, [115, 116, 232, 233])],
 )
 def test_a_near_tie_across_depth_0_is_probed_as_its_catch_up_allows(rates, current, catch_up, probes):
     """Depths 0 and 1 are within 5% of each other, as on the shipped model at B=4. A probe of depth 1
     from depth 0 runs a catch-up first, and one of depth 0 from depth 1 a catch-up at the next step
     back: not a near tie's almost free step (every close_probe_every = 16), so the loss rule spaces
-    them. Depth 1 at 0.951 against depth 0's 1.0 loses 1.84 * 0.049 + 0.52 per probe: 122 steps of
-    1.0 at 0.5%. Depth 0 at 1.0 against 1.033 loses 0.032 + 1.0: 112 steps of 1.84."""
+    them. A probe runs two steps. Depth 1 at 0.951 against depth 0's 1.0 loses 2 x 1.84 x 0.049 +
+    0.52 a probe: 140 steps of 1.0 at 0.5%. Depth 0 at 1.0 against 1.033 loses 2 x 0.032 + 1.0: 115
+    steps of 1.84."""
     true_cost = {0: 1.0, 1: 1.84}
-    policy = DepthPolicy((0, 1), close_probe_every=16, probe_share=0.005, probe_most=256)
+    policy = DepthPolicy((0, 1), zero_margin=0.05, close_probe_every=16, probe_share=0.005, probe_most=256)
     _measured(policy, 4, true_cost)
     for seconds in (5.0, 5.0, catch_up):  # the first two are never counted
         policy.record_catch_up(4, seconds)
@@ -348,56 +377,57 @@ def test_a_near_tie_across_depth_0_is_probed_as_its_catch_up_allows(rates, curre
 
 @pytest.mark.parametrize(
     ("remaining", "depth", "spacing"),
-    [([100], 1, 64), ([100], 3, 425), ([100, 99], 1, 320), ([100, 99], 3, 1200), ([100, 100], 3, 1200)],
+    [([100], 1, 120), ([100], 3, 850), ([100, 99], 1, 640), ([100, 99], 3, 2400), ([100, 100], 3, 2400)],
 )
 def test_a_probe_from_depth_0_of_a_batch_counts_its_whole_extra_cost(remaining, depth, spacing):
     """Depths 1 and 3 are behind depth 0 (1.5 tokens for 1.8 and 1.875 for 4.0, against 1 for 1.0).
-    A lone request's probe of depth 3 loses 4.0 x (1 - 0.469) = 2.125, so at probe_share 0.005 it runs
-    every 425 steps; depth 1's loses 0.3, under probe_every's 64 steps. A batch of several requests
-    ends with its slowest one, which a probe's step moves on by one token unless every request has a
-    draft accepted: its loss is its whole cost beyond a depth-0 step, 0.8 and 3.0, and the two deeper
-    depths' probes share one budget, 0.0025 each: 320 and 1200 steps."""
+    A probe runs two steps. A lone request's probe of depth 3 loses 2 x 4.0 x (1 - 0.469) = 4.25, so
+    at probe_share 0.005 it runs every 850 steps; depth 1's loses 2 x 0.3, 120 steps. A batch of
+    several requests ends with its slowest one, which a probe's step moves on by one token unless
+    every request has a draft accepted: its loss is its whole cost beyond depth-0 steps, 2 x 0.8 and
+    2 x 3.0, and the two deeper depths' probes share one budget, 0.0025 each: 640 and 2400 steps."""
     costs = {0: 1.0, 1: 1.8, 3: 4.0}
     policy = DepthPolicy((0, 1, 3), probe_share=0.005, probe_every=64, probe_most=4096)
     policy.current = 0
     _measured(policy, 2, costs)
     chosen = []
-    for _ in range(2500):
+    for _ in range(5000):
         k = policy.choose(2, [[0.5] * 3] * len(remaining), remaining)
         chosen.append(k)
         policy.record_cost(2, k, costs[k])
     probes = [step for step, k in enumerate(chosen) if k == depth]
-    assert len(probes) >= 2 and {b - a for a, b in itertools.pairwise(probes)} == {spacing + 1}
+    assert len(probes) >= 4 and {b - a for a, b in itertools.pairwise(probes)} == {1, spacing + 1}
 
 
-@pytest.mark.parametrize(("true_cost", "spacing"), [(1.5, 17), (3.0, 233)])
-def test_a_depth_whose_last_timing_would_win_is_probed_again_soon(true_cost, spacing):
+@pytest.mark.parametrize("true_cost", [1.5, 3.0])
+def test_a_depth_whose_last_timing_would_win_is_probed_again_soon(true_cost):
     """Depth 1 was timed once slow (3.0), so depth 0 holds: 1 token for 1.0 against 1.84 for 3.0. A
-    probe of depth 1 loses 3.0 * (1 - 0.613) = 1.16, so it waits 232 steps at probe_share 0.005. If
-    it comes out at 1.5, depth 1 would win on that timing alone, but the median of [3.0, 1.5] does
-    not let it: the next probe comes close_probe_every steps later, and its timing, the second of
-    three, moves the policy to depth 1. If it comes out at 3.0 again, the loss rule spaces the next."""
+    probe of depth 1, two steps, loses 2 x 3.0 x (1 - 0.613) = 2.32, so it waits 464 steps at
+    probe_share 0.005. If it comes out at 1.5, depth 1 would win on that timing alone, but the median
+    of [3.0, 1.5] does not let it: the next probe comes close_probe_every steps later, and its
+    timing, the second of three, moves the policy to depth 1. If it comes out at 3.0 again, the loss
+    rule spaces the next."""
     policy = DepthPolicy((0, 1), close=0.0, probe_every=64, close_probe_every=16, probe_share=0.005)
     _measured(policy, 4, {0: 1.0, 1: 3.0})
     costs = {0: 1.0, 1: true_cost}
-    chosen = _served(policy, 4, [[0.84]], 500, lambda step, k: costs[k])
+    chosen = _served(policy, 4, [[0.84]], 700, lambda step, k: costs[k])
     probes = [step for step, k in enumerate(chosen) if k == 1]
-    assert probes[:2] == [232, 232 + spacing]
     if true_cost < 1.84:
-        assert policy.current == 1 and chosen[232 + spacing : 300] == [1] * (300 - 232 - spacing)
+        assert probes[:4] == [464, 465, 482, 483]
+        assert policy.current == 1 and chosen[482:546] == [1] * 64  # until depth 0's first probe
     else:
-        assert policy.current == 0 and len(probes) == 2
+        assert policy.current == 0 and probes == [464, 465]
 
 
 def test_a_probe_across_depth_0_comes_soon_only_if_its_last_timing_would_change_the_depth():
     """As above, but depth 1's probe comes out at 1.786, 3% better than depth 0 on that timing alone:
     within zero_margin, so it would not change the depth. A probe across depth 0 runs a catch-up,
-    so the next one waits the loss rule's 111 steps (then 65, on the median of three), not 17."""
+    so the next one waits the loss rule's 221 steps (then 64, on the median of three), not 16."""
     policy = DepthPolicy((0, 1), close=0.0, probe_every=64, close_probe_every=16, probe_share=0.005)
     _measured(policy, 4, {0: 1.0, 1: 3.0})
     costs = {0: 1.0, 1: 1.786}
-    chosen = _served(policy, 4, [[0.84]], 500, lambda step, k: costs[k])
-    assert [step for step, k in enumerate(chosen) if k == 1] == [232, 343, 408, 473]
+    chosen = _served(policy, 4, [[0.84]], 800, lambda step, k: costs[k])
+    assert [step for step, k in enumerate(chosen) if k == 1] == [464, 465, 687, 688, 753, 754]
     assert policy.current == 0
 
 

@@ -17,30 +17,29 @@ by PSEUDO_STEPS.
 
 cost(bucket, K) is a key's wall time at a reference speed of the machine, the first UNTIMED_CALLS left
 out: the first compiles or loads the graphs, and the second runs on the caches that loading emptied (up
-to 60% slower than the steps after it, here). The machine's speed itself moves by half within a
-fraction of a second here, so a cost is only compared with costs taken at the same speed: a step at the
-depth the bucket holds updates the bucket's speed (its time over its key's cost), and a probe's step
-updates its key's cost: the median of the key's last `cost_window` timings, each over the speed of its
-moment. Only steps at the depth of the bucket's step before them are timed. The first step after a
-change takes longer than the held steps after it (at B=4 here, a change from depth 0 up 1.12-1.22x:
-the Python between the graphs and the graphs themselves run on caches the other depth's steps
-filled), and costs taken from first steps favoured whichever depth was held: every other depth's cost
-carried its first step's extra time. At B=4 they put K=1, K=2 and K=3 at 1.85x, 2.33x and 2.82x
-K=0's cost where held steps take 1.39x, 1.80x and 2.01x, and auto held K=0, 0.82x the best fixed
+to 60% slower than the steps after it, here). The machine's speed itself moves by half within a fraction
+of a second here, so a cost is only compared with costs taken at the same speed: a step at the depth the
+bucket holds updates the bucket's speed (its time over its key's cost), and a probe's step updates its
+key's cost: the median of the key's last `cost_window` timings, each over the speed of its moment. Only
+steps at the depth of the bucket's step before them are timed. The first step after a change takes
+longer than the held steps after it (at B=4 here, a change from depth 0 up 1.12-1.22x: the Python
+between the graphs and the graphs themselves run on caches the other depth's steps filled), and costs
+taken from first steps favoured whichever depth was held: every other depth's cost carried its first
+step's extra time. At B=4 they put K=1, K=2 and K=3 at 1.85x, 2.33x and 2.82x K=0's cost, where auto's
+own held steps at B=4 took 1.58x and 2.12x for K=1 and K=2, and auto held K=0, 0.82x the best fixed
 depth. So a probe runs `probe_steps` steps at its depth, and the first is not timed; nor is the first
-step after a change of the held depth. One step's time is off the next one's by 20-30% here: in a
-trace at B=4, one K=1 step timed in a slow moment replaced K=1's cost (3.87 ms at the reference speed,
-then 5.13) and moved auto to K=0 and K=2 for the rest of a round in which K=1 was the fastest fixed
-depth. A key never run is tried before any choice is made from the others, so every cost is measured,
-never typed in: each key's two untimed calls run back to back, then each key's first timed step (its
-second after the change to it), one key after another, at one speed. The depth changes only when
-another's value beats the current one's by `margin` (hysteresis: a near tie is within the noise of the
-estimates; at 2%, a lone request's rates moved it from K=3 to K=2, 0.93x as fast, on a quarter of its
-steps), or by `zero_margin` for a change to or from depth 0, which costs more than the steps it is
-timed on: leaving depth 0 first runs the MTP catch-up, and the requests of a batch that drafts finish
-at different steps, so its last steps run the bucket for fewer rows. The current depth is each
-bucket's own: a batch whose last request runs alone at depth 3 comes back to its own depth 0 with the
-margin counted from there.
+step after a change of the held depth. One step's time is off the next one's by 20-30% here: in a trace
+at B=4, one K=1 step timed in a slow moment replaced K=1's cost (3.87 ms at the reference speed, then
+5.13) and moved auto to K=0 and K=2 for the rest of a round in which K=1 was the fastest fixed depth. A
+key never run is tried before any choice is made from the others, so every cost is measured, never typed
+in: each key's two untimed calls run back to back, then each key's first timed step (its second after
+the change to it), one key after another, at one speed. The depth changes only when another's value
+beats the current one's by `margin` (hysteresis: a near tie is within the noise of the estimates; at 2%,
+a lone request's rates moved it from K=3 to K=2, 0.93x as fast, on a quarter of its steps), or by
+`zero_margin` for a change to or from depth 0, which costs more than the steps it is timed on: leaving
+depth 0 first runs the MTP catch-up, and the requests of a batch that drafts finish at different steps,
+so its last steps run the bucket for fewer rows. The current depth is each bucket's own: a batch whose
+last request runs alone at depth 3 comes back to its own depth 0 with the margin counted from there.
 
 A batch of several requests finishes when its last request does. At depth 0 each request commits
 one token a step; drafting commits a random number, so the requests part, and the batch's last steps

@@ -1,14 +1,15 @@
-"""Microseconds a decode step spends in each kernel and op of the packaged graphs, at one depth, B=1.
+"""Microseconds a decode step spends in each kernel and op of the packaged graphs, at one depth and batch.
 
 The graphs are built as AOTInductor packages with Inductor's per-kernel profiling compiled in (each
 generated C++ kernel records itself to the PyTorch profiler), into a capture cache of their own
 (`--cache-dir`, by default a folder under the system's temporary one: the profiling changes the
-code, not the cache key). The runtime generates twice to warm up, then one prompt's decode steps run
-under the profiler. Printed: each event's own time per decode step and its calls per step, the
-largest first. The profiler's own cost per event (about a microsecond) is in every figure, so the
-figures compare kernels and depths with each other, not with graph_times.py's wall times.
+code, not the cache key). The runtime generates twice to warm up, then the decode steps of `--batch`
+prompts, generated together, run under the profiler. Printed: each event's own time per decode step
+and its calls per step, the largest first. The profiler's own cost per event (about a microsecond)
+is in every figure, so the figures compare kernels and depths with each other, not with
+graph_times.py's wall times.
 
-    python benchmarks/kernel_profile.py [--depth 3] [--steps 200] [--top 40] [--cache-dir DIR]
+    python benchmarks/kernel_profile.py [--depth 3] [--batch 1] [--steps 200] [--top 40] [--cache-dir DIR]
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ FLAG = "TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE"
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--depth", type=int, default=3, help="the runtime's mtp_depth (default: 3)")
+    parser.add_argument("--batch", type=int, default=1, help="prompts generated together (default: 1)")
     parser.add_argument(
         "--steps", type=int, default=200, help="new tokens of the profiled prompt (default: 200)"
     )
@@ -38,30 +40,31 @@ def main() -> None:
         os.environ.get(FLAG) != "1"
     ):  # Inductor reads the flag when it is imported, so set it for a fresh process
         sys.exit(subprocess.call([sys.executable, *sys.argv], env={**os.environ, FLAG: "1"}))
-    profile(args.depth, args.steps, args.top, args.cache_dir)
+    profile(args.depth, args.batch, args.steps, args.top, args.cache_dir)
 
 
-def profile(depth: int, steps: int, top: int, cache_dir: Path) -> None:
+def profile(depth: int, batch: int, steps: int, top: int, cache_dir: Path) -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as profiler
 
     from compiled_mtp import DEFAULT_MODEL, Runtime, SamplingParams
     from compiled_mtp.bench import bench_prompts
 
-    prompt = bench_prompts(Path(DEFAULT_MODEL), 0, 1, 64).token_ids[0]
+    prompts = bench_prompts(Path(DEFAULT_MODEL), 0, batch, 64).token_ids[:batch]
     rt = Runtime.from_pretrained(
         mtp_depth=depth,
-        batch_sizes=(1,),
+        batch_sizes=(batch,),
         mtp_depths=[depth],
-        max_seq_len=len(prompt) + steps + 8,
+        max_seq_len=max(map(len, prompts)) + steps + 8,
         cache_dir=cache_dir,
         draft_vocab=1024,
     )
     params = SamplingParams(max_new_tokens=steps, ignore_eos=True)
     for _ in range(2):
-        rt.generate([prompt], params)
-    rt.add_request(prompt, params)
-    rt.step()  # the prefill, outside the profile
+        rt.generate(prompts, params)
+    for prompt in prompts:
+        rt.add_request(prompt, params)
+    rt.step()  # the prefills, outside the profile
     rt.reset_stats()
     with profiler(activities=[ProfilerActivity.CPU]) as prof:
         while rt.has_unfinished():
@@ -69,7 +72,9 @@ def profile(depth: int, steps: int, top: int, cache_dir: Path) -> None:
     decoded = rt.stats()["decode_steps"]
     events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
     total = sum(e.self_cpu_time_total for e in events) / decoded
-    print(f"depth {depth}, B=1: {decoded} decode steps profiled, {total:.1f} us a step of events' own time")
+    print(
+        f"depth {depth}, B={batch}: {decoded} decode steps profiled, {total:.1f} us a step of events' own time"
+    )
     for e in events[:top]:
         print(f"  {e.self_cpu_time_total / decoded:8.1f} us  {e.count / decoded:5.1f} calls  {e.key[:110]}")
 

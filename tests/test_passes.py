@@ -292,8 +292,8 @@ def test_lm_head_runs_only_on_rows_that_are_used(model, state, kind, b, k, rows,
 def test_narrow_linear_takes_every_linear_on_few_rows(model, state, kind, b, k, share):
     """Linears on at most 4 rows (all of draft_extend at B=1, K=3: 4 rows through M, 1 through the LM
     head; at B=2, K=2 only its LM head; none of a 6-row verify) become a multiply-and-sum over the
-    weight in place, and so do batched products of at most 4 rows (the attention's per-head
-    products); the others stay."""
+    weight in place, and so do batched products of at most 16 rows on small slices (the attention's
+    per-head products); the others stay."""
     before, after = _graphs(kind, b, k, model, state, ("narrow_linear",))
     rows = [
         n.args[-2].meta["val"].shape[0]
@@ -304,10 +304,20 @@ def test_narrow_linear_takes_every_linear_on_few_rows(model, state, kind, b, k, 
     assert {"all": few == len(rows) > 0, "some": 0 < few < len(rows), "none": few == 0}[share]
     assert len(_linear_weights(after)) == len(_linear_weights(before)) - few
     bmm_rows = [n.args[0].meta["val"].shape[1] for n in before.graph.nodes if n.target is aten.bmm.default]
-    few_bmm = sum(r <= 4 for r in bmm_rows)
+    few_bmm = sum(r <= 16 for r in bmm_rows)
     assert bmm_rows and _count(after, aten.bmm.default) == len(bmm_rows) - few_bmm
     assert _count(after, aten.sum.dim_IntList) - _count(before, aten.sum.dim_IntList) == few + few_bmm
     _assert_same(before, after, state, model, kind, b, k, exact=False)
+
+
+@pytest.mark.parametrize(
+    "rows,weight,narrow",
+    [(4, 1 << 20, True), (5, 1 << 16, True), (16, 1 << 16, True), (5, (1 << 16) + 1, False), (17, 64, False)],
+)
+def test_narrow_linear_takes_batched_products_on_few_rows_or_small_slices(rows, weight, narrow):
+    """Any batched product on at most 4 rows; on 5-16 rows only those whose slices hold at most 2^16
+    elements (the shipped model's attention products, not the 250m preset's)."""
+    assert narrow_linear.narrow_bmm(rows, weight) is narrow
 
 
 @pytest.mark.parametrize(

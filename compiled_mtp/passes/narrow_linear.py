@@ -14,7 +14,11 @@ the large ones on more rows.
 Batched products (bmm) of at most NARROW_ROWS rows get the same rewrite: MLA's absorbed attention
 multiplies each head's rows by that head's slice of kv_b_proj, and at 4 rows Inductor leaves that to
 MKL's bmm, which took 0.48-0.93 ms for the 8 layers of the 250m preset against 0.41-0.47 ms as a
-multiply-and-sum (a 4-row verify of the 250m preset, timed in turns: 0.2-0.9 ms faster).
+multiply-and-sum (a 4-row verify of the 250m preset, timed in turns: 0.2-0.9 ms faster). So do
+those of up to 16 rows on small slices (SMALL_BMM_WEIGHT elements: the shipped model's 4 x 32 x 64),
+where MKL's call is most of the cost: the shipped model's verify at B=4 took 0.970x (K=1, 8 rows)
+and 0.977x (K=3, 16 rows) the time with MKL's bmm (benchmarks/README.md). The 250m preset's slices
+(12 x 64 x 256) do 24x the arithmetic a row; not measured there, they stay with MKL from 5 rows on.
 
 Linears of 2-4 rows on weights of KERNEL_WEIGHT elements or more go to
 `compiled_mtp::panel_linear` instead (ops/csrc/panel_linear.cpp, see panel_linear.py), which keeps
@@ -47,6 +51,9 @@ from .weights import BFLOAT16_VALUES
 
 aten = torch.ops.aten
 NARROW_ROWS = 4  # the most rows this pass takes; panel_linear takes 5-16
+# Batched products on up to SMALL_BMM_ROWS rows whose second operand has at most SMALL_BMM_WEIGHT
+# elements are rewritten too: there MKL's call costs more than the arithmetic.
+SMALL_BMM_ROWS, SMALL_BMM_WEIGHT = 16, 1 << 16
 # Weights of this many elements or more go to compiled_mtp::panel_linear; smaller ones, whose read
 # costs less than the op's call, stay in Inductor's code, fused with their neighbours.
 KERNEL_WEIGHT = 1 << 18
@@ -65,16 +72,21 @@ class NarrowLinear(CustomGraphPass):
             lin.replace(partial(_narrow, lin=lin, kernel=kernel), adds=False)
         for bmm in graph.find_nodes(op="call_function", target=aten.bmm.default):
             a, b = bmm.args
-            if on_cpu_float32(a, b) and a.meta["val"].shape[1] <= NARROW_ROWS:
+            if on_cpu_float32(a, b) and narrow_bmm(a.meta["val"].shape[1], b.meta["val"].numel()):
                 replace(bmm, partial(_batched_multiply_and_sum, a=a, b=b))
         graph.eliminate_dead_code()
 
     def uuid(self) -> str:
         return get_hash_for_files(
             (__file__,),
-            f"{NARROW_ROWS}/{KERNEL_WEIGHT}/{KERNEL_ROWS}/{BFLOAT16_KERNEL_ROWS}/"
-            f"{BFLOAT16_FEW_ROW_KERNEL_WEIGHT}/{library.version()}",
+            f"{NARROW_ROWS}/{SMALL_BMM_ROWS}/{SMALL_BMM_WEIGHT}/{KERNEL_WEIGHT}/{KERNEL_ROWS}/"
+            f"{BFLOAT16_KERNEL_ROWS}/{BFLOAT16_FEW_ROW_KERNEL_WEIGHT}/{library.version()}",
         ).hex()
+
+
+def narrow_bmm(rows: int, weight: int) -> bool:
+    """Whether a batched product of `rows` rows on slices of `weight` elements in all is rewritten."""
+    return rows <= NARROW_ROWS or (rows <= SMALL_BMM_ROWS and weight <= SMALL_BMM_WEIGHT)
 
 
 def _narrow(graph: fx.Graph, lin: LinearNode, kernel: bool) -> fx.Node:

@@ -247,7 +247,9 @@ class DepthPolicy:
         self._seen[key] += 1
         steady, self._last[bucket] = self._last.get(bucket) == depth, depth
         if self._seen[key] <= UNTIMED_CALLS or not steady:
-            return  # the first loads the key's graphs, the next runs on caches the load emptied
+            # The first loads the key's graphs, the next runs on caches the load emptied, and a step
+            # after a change of depth runs on caches the other depth's steps filled.
+            return
         speed = self._speed.get(bucket, 1.0)
         if key in self._cost and depth == self._held_by.get(bucket):  # the machine's speed moved
             self._speed[bucket] = speed + self.speed_alpha * (seconds / self._cost[key] - speed)

@@ -26,8 +26,9 @@ What it measures (greedy decoding throughout, the same prompts for every system)
   accepted in the compared generation); each row's greedy tokens are compared with the engine's. A
   llama.cpp without the MTP graph leaves those rows out with a one-line note;
 - the memory-bandwidth bound: weight bytes one step must read, as the engine's kernels read them (a
-  weight the C++ ops read from bfloat16 panels counts half its float32 bytes, at every step, though
-  a small one is read from panels only on 5-16 rows, so the bound errs high by that): the target's
+  weight the C++ ops read from bfloat16 panels counts half its float32 bytes, at every step; the
+  routed experts, which the ops read as float32, count in full, though one row reads them from
+  bfloat16 copies, so there the bound errs low by half the experts' bytes): the target's
   parameters, counting one embedding row and only the shared plus `num_experts_per_tok` routed
   experts of a MoE layer, plus per draft step the MTP layer's, the shared LM head and one embedding
   row; over the measured copy bandwidth they give the most steps per second; times B and the row's

@@ -235,9 +235,12 @@ class Runtime:
 
     def add_request(self, prompt: Sequence[int] | str, params: SamplingParams | None = None) -> int:
         """Queue a request (token ids, or text when the checkpoint has a tokenizer); returns its id.
-        Raises ValueError (naming the field) on bad input."""
+        Raises ValueError (naming the field) on bad input. Weights updated in place since the last
+        request reach every graph from this one on."""
         params = params or SamplingParams()
-        return self._queue(self.check(prompt, params), params)
+        prompt_ids = self.check(prompt, params)
+        self.graphs.follow_weights()
+        return self._queue(prompt_ids, params)
 
     @property
     def num_slots(self) -> int:
@@ -307,6 +310,7 @@ class Runtime:
         if len(params) != len(prompts):
             raise ValueError(f"params: expected 1 or {len(prompts)} SamplingParams, got {len(params)}")
         checked = [self.check(p, sp, where=f"prompts[{i}]") for i, (p, sp) in enumerate(zip(prompts, params))]
+        self.graphs.follow_weights()
         ids = [self._queue(p, sp) for p, sp in zip(checked, params)]
         wanted, done = set(ids), dict[int, RequestOutput]()
         while len(done) < len(ids):

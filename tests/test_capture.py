@@ -28,6 +28,7 @@ from compiled_mtp.capture.profile import PROFILES, ProfileError, load_profile
 from compiled_mtp.graphs.plan import GraphKey, GraphKind, example_inputs, graph_keys
 from compiled_mtp.graphs.state import StaticState
 from compiled_mtp.models.checkpoint import load_model
+from compiled_mtp.passes import bfloat16_reads
 from compiled_mtp.passes.manager import inductor_options
 from compiled_mtp.reference import reference_generate
 from tests.checkpoints import write_echo_checkpoint
@@ -310,6 +311,33 @@ def test_graphs_read_the_callers_weights_in_place(captured, checkpoints):
     rt.model.load_state_dict(other.state_dict())  # copies into the existing tensors
     assert _generate(rt)[0] == _reference(other)
     assert rt.stats()["compiles"] == 0
+
+
+def test_graphs_read_bfloat16_copies_that_follow_the_weights(tmp_path):
+    """On weights of bfloat16 values the generated loops read bfloat16 copies of them (bfloat16_reads),
+    made on load once for all graphs: the output is still the reference's, a checkpoint loaded into the
+    same tensors reaches the copies with the next request, and an update to other values is refused
+    with one line before anything is queued."""
+    models = [
+        write_echo_checkpoint(
+            tmp_path / f"bf16-{s}", mtp_noise=0.3, attn_scale=0.5, seed=s, dtype=torch.bfloat16
+        )
+        for s in (1, 2)
+    ]
+    rt = _runtime(models[0], tmp_path / "cache")
+    assert _generate(rt)[0] == _reference(rt.model)
+    copied = {n for p in (tmp_path / "cache").glob("*.pt2") for n in aot._open(p).get_constant_fqns()}
+    assert any(n.startswith(bfloat16_reads.PREFIX) for n in copied)
+    other = load_model(models[1])
+    rt.model.load_state_dict(other.state_dict())  # copies into the existing tensors
+    assert _generate(rt)[0] == _reference(other)
+    with torch.no_grad():
+        rt.model.model.layers[0].self_attn.o_proj.weight.view(torch.int32)[0, 0] |= 1  # its lowest bit
+    with pytest.raises(
+        ValueError, match=r"^model\.model\.layers\.0\.self_attn\.o_proj\.weight: the graphs read"
+    ):
+        rt.add_request(PROMPTS[0], SamplingParams(**GREEDY))
+    assert rt.num_waiting == 0 and rt.stats()["compiles"] == 4
 
 
 def test_corrupt_artifacts_are_reported_and_rebuilt(captured, checkpoints, tmp_path, caplog):

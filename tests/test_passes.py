@@ -6,6 +6,7 @@ test_compiled.py (torch.compile) and test_capture.py (AOTInductor)."""
 from __future__ import annotations
 
 import copy
+import operator
 from typing import ClassVar
 
 import pytest
@@ -18,7 +19,7 @@ from compiled_mtp.graphs.state import StaticState
 from compiled_mtp.models.checkpoint import load_model
 from compiled_mtp.models.deepseek_v3 import Linear
 from compiled_mtp.ops import packed_linear
-from compiled_mtp.passes import narrow_linear
+from compiled_mtp.passes import bfloat16_reads, narrow_linear
 from compiled_mtp.passes import packed_linear as packed_linear_pass
 from compiled_mtp.passes.fold_key_constants import PREFIX, key_only
 from compiled_mtp.passes.fx_nodes import calls_of
@@ -493,6 +494,37 @@ def test_few_row_linears_of_bfloat16_weights_go_to_the_kernel_from_a_smaller_siz
     _assert_same(before, after, state, bfloat16_model, kind, b, k, exact=False)
 
 
+OP_PASSES = ("group_experts", "fuse_dense_mlp", "narrow_linear", "panel_linear", "packed_linear")
+
+
+def _weight_reads(graph):
+    """(float32 parameters the graph reads, bfloat16 copies it reads), as get_attr nodes."""
+    attrs = list(graph.graph.find_nodes(op="get_attr"))
+    params = [n for n in attrs if bfloat16_reads._float32_weight(operator.attrgetter(n.target)(graph))]
+    return params, [n for n in attrs if bfloat16_reads.weight_of(n.target) is not None]
+
+
+@pytest.mark.parametrize("kind,b,k", [("target_verify", 1, 0), ("draft_decode", 1, 3)])
+def test_bfloat16_reads_give_inductors_loops_bfloat16_copies(model, bfloat16_model, state, kind, b, k):
+    """On weights of bfloat16 values, every read of a weight that stays in Inductor's loops (through
+    any views) reads a bfloat16 copy, widened in the loop; a weight a GEMM or a C++ op reads stays
+    float32 for it, and the graph computes the same bit for bit. On float32 values nothing changes."""
+    _, plain = _graphs(kind, b, k, bfloat16_model, state, OP_PASSES)
+    _, read = _graphs(kind, b, k, bfloat16_model, state, (*OP_PASSES, "bfloat16_reads"))
+    params, copies = _weight_reads(read)
+    assert copies and all(
+        [u.target for u in c.users] == [torch.ops.prims.convert_element_type.default]
+        and operator.attrgetter(c.target)(read).dtype == torch.bfloat16
+        for c in copies
+    )
+    assert not any(bfloat16_reads._in_loops(u) for p in params for u in p.users)
+    read_weights = {p.target for p in params} | {bfloat16_reads.weight_of(c.target) for c in copies}
+    assert read_weights == {p.target for p in _weight_reads(plain)[0]}
+    _assert_same(plain, read, state, bfloat16_model, kind, b, k, exact=True)
+    _, unchanged = _graphs(kind, b, k, model, state, (*OP_PASSES, "bfloat16_reads"))
+    assert _weight_reads(unchanged)[1] == []
+
+
 def test_dense_mlp_that_disagrees_with_the_op_stays(model, state, monkeypatch, caplog):
     _replace_op(monkeypatch, "fuse_dense_mlp", lambda x, *args: torch.zeros_like(x))
     before, after = _graphs("target_verify", 1, 3, model, state, ("fuse_dense_mlp",))
@@ -642,6 +674,7 @@ def test_switches_and_uuids():
         "narrow_linear",
         "panel_linear",
         "packed_linear",
+        "bfloat16_reads",
         "fold_key_constants",
     }
     uuids = {
@@ -674,6 +707,7 @@ def test_command_line_switch(capsys):
         disable_pass=["packed_linear"],
     )
     assert _engine_options(args, None)["passes"] == (
+        "bfloat16_reads",
         "fold_key_constants",
         "fuse_dense_mlp",
         "fuse_draft_sampling",

@@ -9,6 +9,8 @@ so weights and state buffers are the graph's constants. The package is built wit
   because every graph holds pointers to the same StaticState, what prefill writes, verify reads.
 The only constants a package carries are the ones the fold_key_constants pass made (values fixed by
 the key: aranges, masks), stored inside the .pt2 and checked against their digest names on load.
+The bfloat16 copies of weights that the bfloat16_reads pass has the code read are made on load from
+the live weights, once per model, and shared by all its graphs.
 """
 
 from __future__ import annotations
@@ -37,9 +39,10 @@ from torch.export.pt2_archive._package import AOTICompiledModel
 from ..graphs.plan import GraphKey, GraphKind
 from ..graphs.state import StaticState
 from ..models.family import CausalLM
+from ..passes.bfloat16_reads import weight_of
 from ..passes.fold_key_constants import PREFIX as FOLDED_PREFIX
 from ..passes.fold_key_constants import folded_name, folded_value
-from . import elf
+from . import elf, weight_copies
 
 # Inductor settings every artifact needs. Without `always_keep_tensor_constants`, Inductor copies
 # 1-D constants of <= 8 elements into the code (the router's correction bias of a small model, the
@@ -186,7 +189,7 @@ def build(
         # values it kept are gone: compile once more without that cache.
         compile_package(ep, package, {**options, "fx_graph_cache": False})
     _store_folded(package, constant_names)
-    baked = _used_constants(ep) - set(constant_names)
+    baked = _used_constants(ep) - set(constant_names) - {weight_of(name) for name in constant_names}
     if baked:
         raise ArtifactError(
             f"{kind.name}: the compiled code holds a copy of {sorted(baked)[0]!r} instead of reading it, so it would "
@@ -253,10 +256,17 @@ def _used_constants(ep: torch.export.ExportedProgram) -> set[str]:
 
 
 def load(package: Path, model: CausalLM, state: StaticState) -> Callable[..., Any]:
-    """The packaged graph, reading and writing the live model's and state's tensors (no copies)."""
+    """The packaged graph, reading and writing the live model's and state's tensors (no copies, but
+    the bfloat16 ones of weight_copies.py)."""
     runner = _open(package)
-    live = {**constants(model, state), **_load_folded(package)}
     wanted = runner.get_constant_fqns()
+    live = {**constants(model, state), **_load_folded(package)}
+    copied = {name: weight_of(name) for name in wanted}
+    sources = {name: live[source] for name, source in copied.items() if source is not None and source in live}
+    try:
+        live |= weight_copies.copies_of(model, sources)
+    except weight_copies.NotBFloat16 as e:
+        raise ArtifactError(str(e)) from None
     unknown = [name for name in wanted if name not in live]
     if unknown:
         raise ArtifactError(f"it needs constant {unknown[0]!r}, which this model and state do not have")

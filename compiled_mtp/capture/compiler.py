@@ -28,7 +28,7 @@ from ..graphs.plan import GraphKey
 from ..graphs.state import StaticState
 from ..models.family import CausalLM
 from ..passes.manager import inductor_options
-from . import aot
+from . import aot, weight_copies
 from .cache import MISSING, GraphCache
 
 # "eager" runs the step functions uncompiled; "aot_eager" traces them like "inductor" (same graphs,
@@ -114,6 +114,12 @@ class CompiledGraphs:
         of earlier replays' outputs from here on; a step reads only its own graphs' outputs."""
         if self.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
+
+    def follow_weights(self) -> None:
+        """The bfloat16 copies of weights that packages read take any in-place update of the weights
+        made since (weight_copies.py). Raises weight_copies.NotBFloat16 where the update does not hold
+        bfloat16 values."""
+        weight_copies.refresh(self.model)
 
     def __call__(self, key: GraphKey, *inputs: torch.Tensor) -> Any:  # what the step returns
         start = time.perf_counter()

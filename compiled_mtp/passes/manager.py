@@ -14,6 +14,7 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from ..ops import library
+from .bfloat16_reads import BFloat16Reads
 from .fold_key_constants import FoldKeyConstants
 from .fuse_dense_mlp import FuseDenseMLP
 from .fuse_draft_sampling import FuseDraftSampling
@@ -38,6 +39,7 @@ REGISTRY: dict[str, CustomGraphPass] = {
     "narrow_linear": NarrowLinear(),
     "panel_linear": PanelLinear(),
     "packed_linear": PackedLinear(),
+    "bfloat16_reads": BFloat16Reads(),
     "fold_key_constants": FoldKeyConstants(),
 }
 

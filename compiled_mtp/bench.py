@@ -26,9 +26,8 @@ What it measures (greedy decoding throughout, the same prompts for every system)
   accepted in the compared generation); each row's greedy tokens are compared with the engine's. A
   llama.cpp without the MTP graph leaves those rows out with a one-line note;
 - the memory-bandwidth bound: weight bytes one step must read, as the engine's kernels read them (a
-  weight the C++ ops read from bfloat16 panels counts half its float32 bytes, at every step; the
-  routed experts, which the ops read as float32, count in full, though one row reads them from
-  bfloat16 copies, so there the bound errs low by half the experts' bytes): the target's
+  weight the C++ ops read from bfloat16 panels, or the graphs from a bfloat16 copy, counts half its
+  float32 bytes, at every step): the target's
   parameters, counting one embedding row and only the shared plus `num_experts_per_tok` routed
   experts of a MoE layer, plus per draft step the MTP layer's, the shared LM head and one embedding
   row; over the measured copy bandwidth they give the most steps per second; times B and the row's
@@ -70,7 +69,7 @@ from typing import TypeVar
 import torch
 
 from . import corpus, hf_baseline, llama_cpp_peer
-from .capture import parallel
+from .capture import parallel, weight_copies
 from .capture.cache import user_cache
 from .capture.compiler import BACKENDS
 from .capture.profile import DEFAULT_MODEL
@@ -577,8 +576,13 @@ def _step_sizes(model: CausalLM, size: Callable[[torch.Tensor], int], row: int) 
 
 def weight_bytes(model: CausalLM) -> tuple[int, list[int]]:
     """(bytes one target forward reads, bytes one draft step reads per MTP layer), as the engine's
-    kernels read them (`library.read_bytes`: after the runs, which made the ops' panels)."""
-    return _step_sizes(model, library.read_bytes, model.model.embed_tokens.weight[0].nbytes)
+    kernels read them (after the runs, which made the ops' panels and the graphs' bfloat16 copies):
+    a weight's bfloat16 copy's (weight_copies.py), else `library.read_bytes`."""
+    return _step_sizes(model, _read_bytes, model.model.embed_tokens.weight[0].nbytes)
+
+
+def _read_bytes(weight: torch.Tensor) -> int:
+    return weight_copies.copy_bytes(weight) or library.read_bytes(weight)
 
 
 def _matrix_flops(weight: torch.Tensor) -> int:

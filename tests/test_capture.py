@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from compiled_mtp import Runtime, SamplingParams
-from compiled_mtp.capture import aot
+from compiled_mtp.capture import aot, weight_copies
 from compiled_mtp.capture.aot import environment
 from compiled_mtp.capture.cache import GraphCache
 from compiled_mtp.capture.profile import PROFILES, ProfileError, load_profile
@@ -327,7 +327,10 @@ def test_graphs_read_bfloat16_copies_that_follow_the_weights(tmp_path):
     rt = _runtime(models[0], tmp_path / "cache")
     assert _generate(rt)[0] == _reference(rt.model)
     copied = {n for p in (tmp_path / "cache").glob("*.pt2") for n in aot._open(p).get_constant_fqns()}
-    assert any(n.startswith(bfloat16_reads.PREFIX) for n in copied)
+    names = [bfloat16_reads.weight_of(n) for n in copied if n.startswith(bfloat16_reads.PREFIX)]
+    weight = rt.model.get_parameter(names[0].removeprefix("model."))
+    assert weight_copies.copy_bytes(weight) == 2 * weight.numel()  # what the bench's bound counts
+    assert weight_copies.copy_bytes(rt.model.model.embed_tokens.weight) == 0  # its lookup reads float32
     other = load_model(models[1])
     rt.model.load_state_dict(other.state_dict())  # copies into the existing tensors
     assert _generate(rt)[0] == _reference(other)

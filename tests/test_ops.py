@@ -237,6 +237,31 @@ def test_routed_experts_matches_the_gathered_products(rows, k, extra, inter, hid
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * max(1.0, expected.abs().max().item()))
 
 
+@settings(max_examples=25)
+@given(
+    rows=st.integers(1, 11),
+    k=st.integers(1, 4),
+    inter=st.integers(1, 40),
+    hidden=st.integers(1, 70),
+    seed=st.integers(0, 2**16),
+)
+def test_routed_experts_on_bfloat16_weights_gives_the_float32_products_bit_for_bit(
+    rows, k, inter, hidden, seed
+):
+    """The bfloat16 copies of weights of bfloat16 values (passes/bfloat16_reads.py) are widened as they
+    are loaded, vector tails included: the same products as from the float32 weights."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, hidden, generator=gen)
+    idx = torch.randint(0, k + 2, (rows, k), generator=gen)
+    weights = torch.rand(rows, k, generator=gen)
+    experts = [
+        torch.randn(shape, generator=gen).bfloat16()
+        for shape in ((k + 2, inter, hidden), (k + 2, inter, hidden), (k + 2, hidden, inter))
+    ]
+    got = ops.routed_experts(x, idx, weights, *experts)
+    assert torch.equal(got, ops.routed_experts(x, idx, weights, *(w.float() for w in experts)))
+
+
 @pytest.mark.parametrize("shape", [(1, 40), (3, 40), (2, 2, 17), (5, 3), (9, 17), (16, 40), (20, 17)])
 def test_dense_mlp_matches_the_model_function(shape):
     """Any leading shape, lengths that leave vector tails and partial panels (17, 3), up to 16 rows
@@ -359,6 +384,10 @@ def _refusals():
         (
             lambda: ops.routed_experts(e_x, idx.clamp(max=0) + 6, e_w, gate, up, down),
             "routed_experts: expert id 6 outside [0, 6)",
+        ),
+        (
+            lambda: ops.routed_experts(e_x, idx, e_w, gate.bfloat16(), up, down.bfloat16()),
+            "routed_experts: up must be BFloat16, got Float",
         ),
         (
             lambda: ops.live_attention(q_latent, q_pe, cache, slots, visible[:, :, :69], 0.3),

@@ -504,19 +504,23 @@ def _weight_reads(graph):
     return params, [n for n in attrs if bfloat16_reads.weight_of(n.target) is not None]
 
 
-@pytest.mark.parametrize("kind,b,k", [("target_verify", 1, 0), ("draft_decode", 1, 3)])
+@pytest.mark.parametrize("kind,b,k", [("target_verify", 2, 1), ("draft_decode", 1, 3)])
 def test_bfloat16_reads_give_inductors_loops_bfloat16_copies(model, bfloat16_model, state, kind, b, k):
     """On weights of bfloat16 values, every read of a weight that stays in Inductor's loops (through
-    any views) reads a bfloat16 copy, widened in the loop; a weight a GEMM or a C++ op reads stays
-    float32 for it, and the graph computes the same bit for bit. On float32 values nothing changes."""
+    any views) reads a bfloat16 copy, widened in the loop, and routed_experts reads the copies as they
+    are; a weight a GEMM or another C++ op reads stays float32 for it, and the graph computes the same
+    bit for bit. On float32 values nothing changes."""
     _, plain = _graphs(kind, b, k, bfloat16_model, state, OP_PASSES)
     _, read = _graphs(kind, b, k, bfloat16_model, state, (*OP_PASSES, "bfloat16_reads"))
     params, copies = _weight_reads(read)
+    widen = torch.ops.prims.convert_element_type.default
     assert copies and all(
-        [u.target for u in c.users] == [torch.ops.prims.convert_element_type.default]
+        {u.target for u in c.users} <= {widen, ROUTED_EXPERTS}
         and operator.attrgetter(c.target)(read).dtype == torch.bfloat16
         for c in copies
     )
+    experts = list(read.graph.find_nodes(op="call_function", target=ROUTED_EXPERTS))
+    assert all(set(n.args[3:]) <= set(copies) for n in experts) and len(experts) == (kind == "target_verify")
     assert not any(bfloat16_reads._in_loops(u) for p in params for u in p.users)
     read_weights = {p.target for p in params} | {bfloat16_reads.weight_of(c.target) for c in copies}
     assert read_weights == {p.target for p in _weight_reads(plain)[0]}

@@ -42,6 +42,15 @@ def copies_of(model: nn.Module, weights: dict[str, Tensor]) -> dict[str, Tensor]
     return {name: made[name].copy for name in weights}
 
 
+def copy_bytes(weight: Tensor) -> int:
+    """The bytes of `weight`'s bfloat16 copy, where a loaded graph reads one, else 0."""
+    for made in _COPIES.values():
+        for entry in made.values():
+            if entry.weight.data_ptr() == weight.data_ptr() and entry.weight.shape == weight.shape:
+                return entry.copy.nbytes
+    return 0
+
+
 def refresh(model: nn.Module) -> None:
     """Rewrite the copies of weights updated in place since they were made."""
     for name, entry in _COPIES.get(model, {}).items():

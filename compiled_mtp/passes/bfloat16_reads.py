@@ -14,7 +14,8 @@ and the ops read their own panels. Nor does the embedding's lookup count: it rea
 table a token, where a copy would cost half the table's bytes for nothing. Each copy is a constant
 of its own (PREFIX + the weight's name), which the package is built without, like every weight:
 aot.load makes it from the live model's weight, once per model (capture/weight_copies.py), and
-checks that weight's values.
+checks that weight's values. The ops that read bfloat16 weights themselves (READS_BFLOAT16: the
+routed experts, which have no panels) take the copy as it is.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ SEPARATOR = "$"  # in place of the dots of the weight's name: a buffer's name ha
 # Products Inductor calls out to a library for (CPU), besides every op outside aten and prims; and
 # the embedding's lookup, which reads a row a token of a table that a copy would double.
 KEEP = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.embedding.default}
+READS_BFLOAT16 = ("compiled_mtp::routed_experts",)
 VIEWS = {
     aten.permute.default,
     aten.view.default,
@@ -56,8 +58,9 @@ class BFloat16Reads(CustomGraphPass):
         assert module is not None, "post-grad graphs belong to a GraphModule"
         for node in list(graph.find_nodes(op="get_attr")):
             weight = operator.attrgetter(node.target)(module)
-            users = [u for u in node.users if _in_loops(u)]
-            if not (users and _float32_weight(weight)):
+            loops = [u for u in node.users if _in_loops(u)]
+            ops = [u for u in node.users if _reads_bfloat16(u)]
+            if not ((loops or ops) and _float32_weight(weight)):
                 continue
             name = copy_name(node.target)
             if not hasattr(module, name):
@@ -66,8 +69,10 @@ class BFloat16Reads(CustomGraphPass):
                 copy = graph.get_attr(name)
                 copy.meta["val"] = _bfloat16_val(node)
                 widened = call(graph, prims.convert_element_type.default, copy, torch.float32)
-            for user in users:
+            for user in loops:
                 user.replace_input_with(node, widened)
+            for user in ops:
+                user.replace_input_with(node, copy)
         graph.eliminate_dead_code()
 
     def uuid(self) -> str:
@@ -98,6 +103,11 @@ def _bfloat16_val(node: fx.Node) -> torch.Tensor:
     val = node.meta["val"]
     with val.fake_mode:
         return torch.empty_strided(val.shape, val.stride(), dtype=torch.bfloat16)
+
+
+def _reads_bfloat16(node: fx.Node) -> bool:
+    """Whether `node` is a call of an op that reads bfloat16 weights as they are."""
+    return isinstance(node.target, torch._ops.OpOverload) and node.target._schema.name in READS_BFLOAT16
 
 
 def _in_loops(node: fx.Node) -> bool:

@@ -2,7 +2,11 @@
 // expert's weights read once for every row routed to it (models.deepseek_v3.gathered_experts reads an
 // expert once per row that chose it). The rows are grouped by expert; each expert's gate and up
 // weights are read once, in blocks that every row routed to it multiplies while the block is in
-// cache, then each block of the down projection once for all its rows. See docs/passes.md.
+// cache, then each block of the down projection once for all its rows. The experts' weights are
+// float32, or bfloat16 (the copies of weights of bfloat16 values that the bfloat16_reads pass hands
+// the op: half the bytes, widened as loaded, so the products are the float32 ones bit for bit). See
+// docs/passes.md.
+#include <c10/util/bit_cast.h>
 #include <omp.h>
 
 #include "panels.h"
@@ -15,11 +19,29 @@ constexpr int64_t DOWN_BLOCK = 64;  // rows of the down weights (outputs) per wo
 constexpr int64_t PREFETCH = 2048;  // floats ahead in the weight rows being read
 constexpr int O = 4;  // weight rows per dot block
 
+// A vector of weights, from float32 or widened from bfloat16 (its 16 bits are a float32's upper half).
+static inline Vec load_weights(const float* p) { return Vec::loadu(p); }
+static inline Vec load_weights(const uint16_t* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+#elif defined(CPU_CAPABILITY_AVX2)
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+#else
+    float lanes[Vec::size()];
+    for (int64_t i = 0; i < Vec::size(); i++) lanes[i] = c10::bit_cast<float>(static_cast<uint32_t>(p[i]) << 16);
+    return Vec::loadu(lanes);
+#endif
+}
+static inline float weight_at(const float* p, int64_t c) { return p[c]; }
+static inline float weight_at(const uint16_t* p, int64_t c) { return c10::bit_cast<float>(static_cast<uint32_t>(p[c]) << 16); }
+
 // Dot products of R input rows with O = 4 weight rows, length k: sums[r][o]. Each vector of a weight
 // row meets all R inputs, so at 4 rows the multiply-adds, not the loads, set the pace; the 4 sums of
 // a row are reduced together (sum4), which costs a third of reducing each on its own.
-template <int R>
-static inline void dots(const float* const* xr, const float* const* w, int64_t k, float sums[][O]) {
+template <int R, typename W>
+static inline void dots(const float* const* xr, const W* const* w, int64_t k, float sums[][O]) {
     const int64_t vk = k - k % Vec::size();
     Vec acc[R][O];
     for (int r = 0; r < R; r++) for (int o = 0; o < O; o++) acc[r][o] = Vec(0.f);
@@ -27,7 +49,7 @@ static inline void dots(const float* const* xr, const float* const* w, int64_t k
         Vec ws[O];
         for (int o = 0; o < O; o++) {
             __builtin_prefetch(w[o] + c + PREFETCH, 0, 1);  // never faults, also past the end
-            ws[o] = Vec::loadu(w[o] + c);
+            ws[o] = load_weights(w[o] + c);
         }
         for (int r = 0; r < R; r++) {
             const Vec xs = Vec::loadu(xr[r] + c);
@@ -36,12 +58,12 @@ static inline void dots(const float* const* xr, const float* const* w, int64_t k
     }
     for (int r = 0; r < R; r++) {
         sum4(acc[r], sums[r]);
-        for (int64_t c = vk; c < k; c++) for (int o = 0; o < O; o++) sums[r][o] += xr[r][c] * w[o][c];
+        for (int64_t c = vk; c < k; c++) for (int o = 0; o < O; o++) sums[r][o] += xr[r][c] * weight_at(w[o], c);
     }
 }
 
-template <int R>
-static void dots_any(int64_t rows, const float* const* xr, const float* const* w, int64_t k, float sums[][O]) {
+template <int R, typename W>
+static void dots_any(int64_t rows, const float* const* xr, const W* const* w, int64_t k, float sums[][O]) {
     if (rows == R) dots<R>(xr, w, k, sums);
     else if constexpr (R > 1) dots_any<R - 1>(rows, xr, w, k, sums);
 }
@@ -63,8 +85,9 @@ static inline void row_groups(const std::vector<int64_t>& ps, Fn fn) {
 }
 
 // x [n, h], idx / weight [n, k], gate / up [e, inter, h], down [e, h, inter] -> out [n, h]
-void kernel(const float* x, const int64_t* idx, const float* weight, const float* gate, const float* up,
-                       const float* down, float* out, int64_t n, int64_t k, int64_t e, int64_t h, int64_t inter,
+template <typename W>
+void kernel(const float* x, const int64_t* idx, const float* weight, const W* gate, const W* up,
+                       const W* down, float* out, int64_t n, int64_t k, int64_t e, int64_t h, int64_t inter,
                        int64_t threads) {
     // The (row, slot) pairs routed to each expert, grouped by expert.
     std::vector<std::vector<int64_t>> pairs(e);
@@ -90,7 +113,7 @@ void kernel(const float* x, const int64_t* idx, const float* weight, const float
             // idle after the first group: at 8 rows a cold MLP cost its read plus its arithmetic).
             for (int64_t i = i0; i < i1; i += 2) {
                 const int64_t i2 = std::min(i + 1, i1 - 1);  // an odd last row is computed twice, stored once
-                const float* w[O] = {gate + (ex * inter + i) * h, gate + (ex * inter + i2) * h,
+                const W* w[O] = {gate + (ex * inter + i) * h, gate + (ex * inter + i2) * h,
                                      up + (ex * inter + i) * h, up + (ex * inter + i2) * h};
                 row_groups(ps, [&](size_t p0, int64_t rows) {
                     const float* xr[MAX_ROWS];
@@ -113,7 +136,7 @@ void kernel(const float* x, const int64_t* idx, const float* weight, const float
             for (int64_t ex : used) {
                 const std::vector<int64_t>& ps = pairs[ex];
                 for (int64_t j = j0; j < j1; j += O) {  // weight rows outside the row groups, as above
-                    const float* w[O];
+                    const W* w[O];
                     for (int o = 0; o < O; o++) w[o] = down + (ex * h + std::min(j + o, j1 - 1)) * inter;
                     row_groups(ps, [&](size_t p0, int64_t rows) {
                         const float* ar[MAX_ROWS];
@@ -137,9 +160,10 @@ at::Tensor routed_experts(const at::Tensor& x_in, const at::Tensor& idx_in, cons
     check(x_in, op, "x", at::kFloat, 2);
     check(idx_in, op, "idx", at::kLong, 2);
     check(weights_in, op, "weights", at::kFloat, 2);
-    check(gate, op, "gate", at::kFloat, 3, true);
-    check(up, op, "up", at::kFloat, 3, true);
-    check(down, op, "down", at::kFloat, 3, true);
+    const at::ScalarType type = gate.scalar_type() == at::kBFloat16 ? at::kBFloat16 : at::kFloat;
+    check(gate, op, "gate", type, 3, true);
+    check(up, op, "up", type, 3, true);
+    check(down, op, "down", type, 3, true);
     const int64_t n = x_in.size(0), h = x_in.size(1), k = idx_in.size(1), e = gate.size(0), inter = gate.size(1);
     TORCH_CHECK(idx_in.size(0) == n && weights_in.sizes() == idx_in.sizes(), op, ": idx ", idx_in.sizes(), " and weights ", weights_in.sizes(), " must both be [", n, ", k]");
     TORCH_CHECK(up.sizes() == gate.sizes() && gate.size(2) == h, op, ": gate and up must be [experts, inter, ", h, "], got ", gate.sizes(), " and ", up.sizes());
@@ -148,8 +172,14 @@ at::Tensor routed_experts(const at::Tensor& x_in, const at::Tensor& idx_in, cons
     const int64_t* ids = idx.data_ptr<int64_t>();
     for (int64_t p = 0; p < n * k; p++) TORCH_CHECK(ids[p] >= 0 && ids[p] < e, op, ": expert id ", ids[p], " outside [0, ", e, ")");
     at::Tensor out = at::empty(x.sizes(), x.options());
-    kernel(x.data_ptr<float>(), ids, weights.data_ptr<float>(), gate.data_ptr<float>(), up.data_ptr<float>(),
-           down.data_ptr<float>(), out.data_ptr<float>(), n, k, e, h, inter, at::get_num_threads());
+    if (type == at::kBFloat16) {
+        const auto bits = [](const at::Tensor& w) { return reinterpret_cast<const uint16_t*>(w.data_ptr()); };
+        kernel(x.data_ptr<float>(), ids, weights.data_ptr<float>(), bits(gate), bits(up), bits(down),
+               out.data_ptr<float>(), n, k, e, h, inter, at::get_num_threads());
+    } else {
+        kernel(x.data_ptr<float>(), ids, weights.data_ptr<float>(), gate.data_ptr<float>(), up.data_ptr<float>(),
+               down.data_ptr<float>(), out.data_ptr<float>(), n, k, e, h, inter, at::get_num_threads());
+    }
     return out;
 }
 

@@ -3,8 +3,8 @@
 A package is built without constants and reads the live model's tensors in place (aot.py). The copies
 are made the same way, on load, from the live weights: once per model, shared by all its graphs. An
 in-place update of a weight (a new checkpoint loaded into the same tensors) reaches the copies at the
-next `refresh`, which the runtime calls before each prefill, so a request never mixes the two: the
-copy is rewritten in its own memory, whose address the loaded graphs hold.
+next `refresh`, which the runtime calls whenever requests are added: the copy is rewritten in its
+own memory, whose address the loaded graphs hold.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ aten, prims = torch.ops.aten, torch.ops.prims
 PREFIX = "_bfloat16_"
 SEPARATOR = "$"  # in place of the dots of the weight's name: a buffer's name has none
 # Products Inductor calls out to a library for (CPU), besides every op outside aten and prims; and
-# the embedding's lookup, which reads a row a token of a table that a copy would double.
+# the embedding's lookup, which reads a row a token: a copy of the table would gain nothing.
 KEEP = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.embedding.default}
 READS_BFLOAT16 = ("compiled_mtp::routed_experts",)
 VIEWS = {

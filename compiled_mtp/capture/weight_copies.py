@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from ..passes.bfloat16_reads import weight_of
+from ..passes.weights import holds_bfloat16_values
 
 
 @dataclass
@@ -61,10 +62,9 @@ def refresh(model: nn.Module) -> None:
 
 def _bfloat16(name: str, weight: Tensor) -> Tensor:
     """The bfloat16 copy of `weight`, the value of constant `name`."""
-    copy = weight.detach().to(torch.bfloat16)
-    if not torch.equal(copy.float(), weight):
+    if not holds_bfloat16_values(weight):
         raise NotBFloat16(
             f"{weight_of(name)}: the graphs read this weight as bfloat16, but it holds other values; "
             "load such weights into a new Runtime"
         )
-    return copy
+    return weight.detach().to(torch.bfloat16)

@@ -20,10 +20,14 @@ CHUNK = 1 << 22  # elements tested at once, so that a large LM head needs no cop
 def bfloat16_values(model: torch.nn.Module) -> bool:
     """Whether every float32 parameter of two or more dimensions has only bfloat16 values (the low 16
     bits of every element zero)."""
-    for p in model.parameters():
-        if p.dtype != torch.float32 or p.dim() < 2 or p.device.type != "cpu":
-            continue
-        bits = p.detach().reshape(-1).view(torch.int32)
-        if any(bool((chunk & 0xFFFF).any()) for chunk in bits.split(CHUNK)):
-            return False
-    return True
+    return all(
+        holds_bfloat16_values(p)
+        for p in model.parameters()
+        if p.dtype == torch.float32 and p.dim() >= 2 and p.device.type == "cpu"
+    )
+
+
+def holds_bfloat16_values(weight: torch.Tensor) -> bool:
+    """Whether every element of a float32 tensor is a bfloat16 value (its low 16 bits zero)."""
+    bits = weight.detach().reshape(-1).view(torch.int32)
+    return not any(bool((chunk & 0xFFFF).any()) for chunk in bits.split(CHUNK))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import tempfile
@@ -9,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-# The commands and Runtime.from_pretrained default to the per-user capture cache: the tests get their own.
+# The commands and Runtime.from_pretrained default to the per-user capture cache: the tests get their own,
+# which goes with the process (each pytest-xdist worker has one; removed below, after the imports).
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="compiled_mtp_tests_")
 
 # pytest-xdist: each worker takes its share of the cores (OpenMP threads beyond them spin at every
@@ -27,6 +29,7 @@ import pytest
 
 from compiled_mtp.ops import library
 
+atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)
 library.load()  # the C++ ops: the tests name them (torch.ops.compiled_mtp.*) when they are collected
 from hypothesis import HealthCheck, settings  # noqa: E402
 from transformers import DeepseekV3ForCausalLM  # noqa: E402

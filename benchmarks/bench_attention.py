@@ -13,14 +13,10 @@ and its time over the first REV's per round, median (range).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
-from bench_commits import checkout
+from bench_commits import checkout, run_child
 
 # Run inside the child process, against the commit's own ops: their schema is the same on every commit
 # since the op took the cache by slot.
@@ -55,18 +51,7 @@ print(json.dumps(out))
 
 def run(tree: Path, threads: int) -> dict[str, float]:
     """Microseconds a call per shape, on `tree`'s kernel."""
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    out = subprocess.run(
-        [sys.executable, "-c", CHILD, str(threads)],
-        env=env,
-        capture_output=True,
-        text=True,
-        cwd=tree,
-        check=False,
-    )
-    if out.returncode:
-        raise SystemExit(f"error: {tree.name}: {out.stderr.strip().splitlines()[-1]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_child(tree, CHILD, [str(threads)])
 
 
 def main() -> None:

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from compiled_mtp.depth_policy import depth_arg
 
@@ -66,9 +67,19 @@ def checkout(rev: str, work: Path) -> Path:
     return tree
 
 
+def run_child(tree: Path, child: str, argv: list[str]) -> Any:
+    """The last line `child` prints, parsed as JSON, from a process that imports `tree`'s code."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    out = subprocess.run(
+        [sys.executable, "-c", child, *argv], env=env, capture_output=True, text=True, cwd=tree, check=False
+    )
+    if out.returncode:
+        raise SystemExit(f"error: {tree.name}: {out.stderr.strip().splitlines()[-1]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def run(tree: Path, args: argparse.Namespace) -> list[float]:
     """Milliseconds per decode step (or decoded token) of each batch's generation, on `tree`'s code."""
-    env = {**os.environ, "PYTHONPATH": str(tree)}
     argv = [
         str(args.depth),
         str(tree / ".capture"),
@@ -77,12 +88,7 @@ def run(tree: Path, args: argparse.Namespace) -> list[float]:
         str(args.batch),
         str(int(args.per_token)),
     ]
-    out = subprocess.run(
-        [sys.executable, "-c", CHILD, *argv], env=env, capture_output=True, text=True, cwd=tree, check=False
-    )
-    if out.returncode:
-        raise SystemExit(f"error: {tree.name}: {out.stderr.strip().splitlines()[-1]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_child(tree, CHILD, argv)
 
 
 def main() -> None:

@@ -2,6 +2,7 @@
 // from the weight's panels (panels.h), and the panels' copies and product that dense_mlp shares.
 #include <c10/core/StorageImpl.h>
 
+#include <c10/util/BFloat16.h>
 #include <c10/util/bit_cast.h>
 
 #include <mutex>
@@ -110,7 +111,7 @@ inline void load_pairs(const uint16_t* p, Vec* pairs) {
 #else
     float lanes[2][LANES];
     for (int64_t i = 0; i < LANES; i++) {
-        for (int j = 0; j < 2; j++) lanes[j][i] = c10::bit_cast<float>(static_cast<uint32_t>(p[2 * i + j]) << 16);
+        for (int j = 0; j < 2; j++) lanes[j][i] = c10::detail::f32_from_bits(p[2 * i + j]);
     }
     pairs[0] = Vec::loadu(lanes[0]);
     pairs[1] = Vec::loadu(lanes[1]);

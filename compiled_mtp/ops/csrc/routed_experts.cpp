@@ -6,7 +6,7 @@
 // float32, or bfloat16 (the copies of weights of bfloat16 values that the bfloat16_reads pass hands
 // the op: half the bytes, widened as loaded, so the products are the float32 ones bit for bit). See
 // docs/passes.md.
-#include <c10/util/bit_cast.h>
+#include <c10/util/BFloat16.h>
 #include <omp.h>
 
 #include "panels.h"
@@ -30,12 +30,12 @@ static inline Vec load_weights(const uint16_t* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 #else
     float lanes[Vec::size()];
-    for (int64_t i = 0; i < Vec::size(); i++) lanes[i] = c10::bit_cast<float>(static_cast<uint32_t>(p[i]) << 16);
+    for (int64_t i = 0; i < Vec::size(); i++) lanes[i] = c10::detail::f32_from_bits(p[i]);
     return Vec::loadu(lanes);
 #endif
 }
 static inline float weight_at(const float* p, int64_t c) { return p[c]; }
-static inline float weight_at(const uint16_t* p, int64_t c) { return c10::bit_cast<float>(static_cast<uint32_t>(p[c]) << 16); }
+static inline float weight_at(const uint16_t* p, int64_t c) { return c10::detail::f32_from_bits(p[c]); }
 
 // Dot products of R input rows with O = 4 weight rows, length k: sums[r][o]. Each vector of a weight
 // row meets all R inputs, so at 4 rows the multiply-adds, not the loads, set the pace; the 4 sums of

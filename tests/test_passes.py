@@ -572,6 +572,20 @@ def test_attention_the_op_does_not_reproduce_stays(model, state, monkeypatch, ca
     ) in caplog.text
 
 
+def test_attention_an_op_that_fails_on_probes_stays_and_says_why(model, state, monkeypatch, caplog):
+    def failing(*args):
+        raise RuntimeError("live_attention: out of memory\nmore detail")
+
+    _replace_op(monkeypatch, "live_attention", failing)
+    with caplog.at_level("WARNING", logger="compiled_mtp.passes"):
+        _, after = _graphs("draft_extend", 1, 1, model, state, ("live_attention",))
+    assert _count(after, LIVE_ATTENTION) == 0 and len(_cache_gathers(after, state.max_seq_len)) == 1
+    assert (
+        "live_attention: left as traced: the region does not run on probe inputs "
+        "(RuntimeError: live_attention: out of memory)"
+    ) in caplog.text
+
+
 def test_one_agreeing_takes_only_a_single_agreeing_assignment():
     """The region a - b: of the two ways to feed it (x, y), the op sub agrees under one only; an op
     both agree with, or neither, replaces nothing; a region that raises on probes says so."""

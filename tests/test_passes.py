@@ -561,29 +561,32 @@ def test_attention_reads_only_the_live_cache(model, state, kind, b, k, calls):
     _assert_same(before, after, state, model, kind, b, k, exact=False)
 
 
-def test_attention_the_op_does_not_reproduce_stays(model, state, monkeypatch, caplog):
-    _replace_op(monkeypatch, "live_attention", lambda *args: LIVE_ATTENTION(*args) * 1.01)
+def _fails_on_probes(*args):
+    raise RuntimeError("live_attention: out of memory\nmore detail")
+
+
+@pytest.mark.parametrize(
+    "op, logged",
+    [
+        (
+            lambda *args: LIVE_ATTENTION(*args) * 1.01,
+            "the op reproduces the region on 0%, 0% of the probes under the 2 assignments of its inputs, "
+            "expected exactly one at 100% or more",
+        ),
+        (
+            _fails_on_probes,
+            "the region does not run on probe inputs (RuntimeError: live_attention: out of memory)",
+        ),
+    ],
+    ids=["wrong", "raises"],
+)
+def test_attention_the_op_does_not_reproduce_stays(model, state, monkeypatch, caplog, op, logged):
+    """An op that computes something else, or raises, leaves the region as traced, and the log says why."""
+    _replace_op(monkeypatch, "live_attention", op)
     with caplog.at_level("WARNING", logger="compiled_mtp.passes"):
         _, after = _graphs("draft_extend", 1, 1, model, state, ("live_attention",))
     assert _count(after, LIVE_ATTENTION) == 0 and len(_cache_gathers(after, state.max_seq_len)) == 1
-    assert (
-        "live_attention: left as traced: the op reproduces the region on 0%, 0% of the probes "
-        "under the 2 assignments of its inputs, expected exactly one at 100% or more"
-    ) in caplog.text
-
-
-def test_attention_an_op_that_fails_on_probes_stays_and_says_why(model, state, monkeypatch, caplog):
-    def failing(*args):
-        raise RuntimeError("live_attention: out of memory\nmore detail")
-
-    _replace_op(monkeypatch, "live_attention", failing)
-    with caplog.at_level("WARNING", logger="compiled_mtp.passes"):
-        _, after = _graphs("draft_extend", 1, 1, model, state, ("live_attention",))
-    assert _count(after, LIVE_ATTENTION) == 0 and len(_cache_gathers(after, state.max_seq_len)) == 1
-    assert (
-        "live_attention: left as traced: the region does not run on probe inputs "
-        "(RuntimeError: live_attention: out of memory)"
-    ) in caplog.text
+    assert f"live_attention: left as traced: {logged}" in caplog.text
 
 
 def test_one_agreeing_takes_only_a_single_agreeing_assignment():

@@ -29,16 +29,6 @@ static inline void dot_vectors(const float* const* a, const float* const* w, int
     }
 }
 
-// The lanes of WIDE accumulators summed, each into out[e]: with AVX-512, four at once (sum4), in about a
-// third of the instructions; scoring 16 query rows reduced every score on its own, most of its time.
-static inline void sum_wide(const Vec* v, float* out) {
-    if constexpr (WIDE == 4) {
-        sum4(v, out);
-    } else {
-        for (int e = 0; e < WIDE; e++) out[e] = sum_lanes(v[e]);
-    }
-}
-
 static inline float dot_tail(const float* a, const float* w, int64_t n) {
     float s = 0.f;
     for (int64_t c = n - n % Vec::size(); c < n; c++) s += a[c] * w[c];
@@ -64,7 +54,7 @@ static void scores(const float* const* ql, const float* const* qp, const float* 
         dot_vectors<R>(qp, wp, rope, acc);
         for (int r = 0; r < R; r++) {
             float sums[WIDE];
-            sum_wide(acc[r], sums);
+            sum_each<WIDE>(acc[r], sums);  // with AVX-512, the 4 at once
             for (int e = WIDE - 1; e >= 0; e--) {  // the last entry's score is stored last
                 if (tails) sums[e] += dot_tail(ql[r], w[e], rank) + dot_tail(qp[r], wp[e], rope);
                 sc[r][std::min(s + e, s1 - 1)] = sums[e];

@@ -22,21 +22,24 @@ using Vec = at::vec::Vectorized<float>;
 
 inline float sum_lanes(Vec v) { return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v); }
 
-// out[i] = the sum of v[i]'s lanes, for 4 vectors at once: with AVX-512 the lanes are added across
-// the four, in about a third of the instructions that four separate reductions take.
-inline void sum4(const Vec* v, float* out) {
+// out[i] = the sum of v[i]'s lanes, for each of N vectors: with AVX-512, four of them are added across
+// together, in about a third of the instructions that four separate reductions take.
+template <int N>
+inline void sum_each(const Vec* v, float* out) {
 #if defined(CPU_CAPABILITY_AVX512)
-    const __m512 a = v[0], b = v[1], c = v[2], d = v[3];
-    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));  // per 128 bits: a b a b
-    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-    const __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
-                                      _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));  // a b c d
-    const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd),
-                                      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1)));
-    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1)));
-#else
-    for (int i = 0; i < 4; i++) out[i] = sum_lanes(v[i]);
+    if constexpr (N == 4) {
+        const __m512 a = v[0], b = v[1], c = v[2], d = v[3];
+        const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));  // per 128 bits: a b a b
+        const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+        const __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                          _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));  // a b c d
+        const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd),
+                                          _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1)));
+        _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1)));
+        return;
+    }
 #endif
+    for (int i = 0; i < N; i++) out[i] = sum_lanes(v[i]);
 }
 
 // A CPU tensor of `dtype` with `dims` dimensions (contiguous if asked), else an error naming it.

@@ -39,7 +39,7 @@ static inline float weight_at(const uint16_t* p, int64_t c) { return c10::detail
 
 // Dot products of R input rows with O = 4 weight rows, length k: sums[r][o]. Each vector of a weight
 // row meets all R inputs, so at 4 rows the multiply-adds, not the loads, set the pace; the 4 sums of
-// a row are reduced together (sum4), which costs a third of reducing each on its own.
+// a row are reduced together (sum_each), which costs a third of reducing each on its own.
 template <int R, typename W>
 static inline void dots(const float* const* xr, const W* const* w, int64_t k, float sums[][O]) {
     const int64_t vk = k - k % Vec::size();
@@ -57,7 +57,7 @@ static inline void dots(const float* const* xr, const W* const* w, int64_t k, fl
         }
     }
     for (int r = 0; r < R; r++) {
-        sum4(acc[r], sums[r]);
+        sum_each<O>(acc[r], sums[r]);
         for (int64_t c = vk; c < k; c++) for (int o = 0; o < O; o++) sums[r][o] += xr[r][c] * weight_at(w[o], c);
     }
 }

@@ -6,12 +6,16 @@ test_compiled.py (torch.compile) and test_capture.py (AOTInductor)."""
 from __future__ import annotations
 
 import copy
+import math
 import operator
 from typing import ClassVar
 
 import pytest
 import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from compiled_mtp.capture.post_grad import post_grad_graphs
 from compiled_mtp.graphs.plan import GraphKey, GraphKind, example_inputs
@@ -26,6 +30,7 @@ from compiled_mtp.passes.fx_nodes import calls_of
 from compiled_mtp.passes.manager import REGISTRY, PassManager, available, inductor_options
 from compiled_mtp.passes.packed_linear import LINEAR
 from compiled_mtp.passes.region import Unfusable, one_agreeing
+from compiled_mtp.passes.small_topk import SmallTopk
 from compiled_mtp.passes.weights import bfloat16_values
 
 FUSED = REGISTRY["fuse_verify_sampling"].op_for({"cpu"})  # greedy_verify_sample where the C++ ops build
@@ -402,6 +407,46 @@ def test_group_experts_leaves_a_layer_the_op_does_not_reproduce(model, state, mo
     ) in caplog.text
 
 
+@pytest.mark.parametrize(
+    "kind,b,k", [("target_verify", 1, 0), ("draft_decode", 1, 3), ("draft_extend", 2, 2)]
+)
+def test_small_topk_takes_every_routing_selection(model, state, kind, b, k):
+    """The router's three topk calls a MoE layer run leave the graph; the step computes the same (the
+    chosen experts may come in another order, so their sum may round differently)."""
+    before, after = _graphs(kind, b, k, model, state, ("small_topk",))
+    assert _count(before, aten.topk.default) >= 3 and _count(after, aten.topk.default) == 0
+    _assert_same(before, after, state, model, kind, b, k, exact=False)
+
+
+ENTRIES = st.sampled_from([-math.inf, -1.0, 0.0, 0.5, math.nan]) | st.floats(-4, 4, width=32)
+
+
+@settings(max_examples=200)  # 4 s: rows where all but a few entries are -inf need many draws
+@given(
+    shape=st.tuples(st.integers(1, 3), st.integers(1, 9)),
+    dim=st.sampled_from([0, 1, -1]),
+    k=st.integers(1, 4),
+    sort=st.booleans(),
+    entries=st.lists(ENTRIES, min_size=27, max_size=27),
+)
+def test_small_topk_selects_what_topk_selects(shape, dim, k, sort, entries):
+    """topk's values, largest first (NaN first, as topk ranks it), at k distinct indices that hold them,
+    whatever ties, -inf and NaN the entries hold; where the entries are distinct, topk's indices."""
+    assume(k <= shape[dim])
+    x = torch.tensor(entries[: shape[0] * shape[1]]).view(shape)
+    graph = make_fx(lambda t: torch.topk(t, k, dim=dim, sorted=sort), tracing_mode="fake")(x)
+    SmallTopk()(graph.graph)
+    graph.recompile()
+    assert _count(graph, aten.topk.default) == 0
+    values, indices = graph(x)
+    expected, expected_indices = torch.topk(x, k, dim=dim)
+    torch.testing.assert_close(values, expected, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(x.gather(dim, indices), values, rtol=0, atol=0, equal_nan=True)
+    assert all(len(set(line)) == k for line in indices.movedim(dim, -1).reshape(-1, k).tolist())
+    if len(set(entries[: x.numel()])) == x.numel() and not x.isnan().any():
+        assert torch.equal(indices, expected_indices)
+
+
 DENSE_MLP = torch.ops.compiled_mtp.dense_mlp.default
 
 
@@ -692,6 +737,7 @@ def test_switches_and_uuids():
         "live_attention",
         "group_experts",
         "fuse_dense_mlp",
+        "small_topk",
         "narrow_linear",
         "panel_linear",
         "packed_linear",
@@ -737,6 +783,7 @@ def test_command_line_switch(capsys):
         "live_attention",
         "narrow_linear",
         "panel_linear",
+        "small_topk",
     )
     with pytest.raises(SystemExit):
         main(["generate", "hello", "--disable-pass", "fuse_everything"])

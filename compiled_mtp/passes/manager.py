@@ -24,6 +24,7 @@ from .live_attention import LiveAttention
 from .narrow_linear import NarrowLinear
 from .packed_linear import PackedLinear
 from .panel_linear import PanelLinear
+from .small_topk import SmallTopk
 from .weights import BFLOAT16_VALUES, bfloat16_values
 
 # name -> pass instance, in the order they run; each pass lives in its own module of this package.
@@ -36,6 +37,7 @@ REGISTRY: dict[str, CustomGraphPass] = {
     "live_attention": LiveAttention(),
     "group_experts": GroupExperts(),
     "fuse_dense_mlp": FuseDenseMLP(),
+    "small_topk": SmallTopk(),
     "narrow_linear": NarrowLinear(),
     "panel_linear": PanelLinear(),
     "packed_linear": PackedLinear(),

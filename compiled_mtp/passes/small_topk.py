@@ -1,4 +1,4 @@
-"""Top-k selections of a few entries become k rounds of max and argmax, which Inductor fuses.
+"""Top-k selections of a few entries become k rounds of argmax, which Inductor fuses.
 
 Inductor generates no code for `aten.topk`: every call leaves the generated code for ATen's (a call
 of a few microseconds on CPU, for a selection that takes nanoseconds) and splits the kernels around
@@ -33,9 +33,10 @@ MAX_ENTRIES, MAX_K = 64, 4
 
 class SmallTopk(CustomGraphPass):
     def __call__(self, graph: fx.Graph) -> None:
-        for node in [n for n in graph.nodes if n.target is aten.topk.default and _small(n)]:
+        taken = [(n, args) for n in graph.nodes if n.target is aten.topk.default and (args := _small(n))]
+        for node, (x, k, dim) in taken:
             with graph.inserting_before(node):
-                outputs = _rounds(graph, node)
+                outputs = _rounds(graph, x, k, dim)
             for user in list(node.users):
                 assert user.target is operator.getitem  # a post-grad graph reads topk's pair by index
                 user.replace_all_uses_with(outputs[user.args[1]])
@@ -46,31 +47,21 @@ class SmallTopk(CustomGraphPass):
         return get_hash_for_files((__file__,), f"{MAX_ENTRIES}/{MAX_K}").hex()
 
 
-def _args(node: fx.Node) -> tuple[fx.Node, int, int, bool]:
-    """topk's (input, k, dim, largest), its defaults filled in and dim made non-negative."""
+def _small(node: fx.Node) -> tuple[fx.Node, int, int] | None:
+    """topk's input, k and (non-negative) dim where it selects the largest of a few entries."""
     bound = normalize_function(aten.topk.default, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
     assert bound is not None  # aten.topk has one schema
     a = bound.kwargs
-    return a["input"], a["k"], a["dim"] % a["input"].meta["val"].dim(), a["largest"]
+    val = a["input"].meta["val"]
+    dim = a["dim"] % val.dim()
+    n = val.shape[dim]
+    small = val.dtype.is_floating_point and isinstance(n, int) and n <= MAX_ENTRIES and 0 < a["k"] <= MAX_K
+    return (a["input"], a["k"], dim) if small and a["largest"] else None
 
 
-def _small(node: fx.Node) -> bool:
-    x, k, dim, largest = _args(node)
-    val = x.meta.get("val")
-    return (
-        val is not None
-        and val.dtype.is_floating_point
-        and largest
-        and isinstance(val.shape[dim], int)
-        and val.shape[dim] <= MAX_ENTRIES
-        and 0 < k <= MAX_K
-    )
-
-
-def _rounds(graph: fx.Graph, node: fx.Node) -> tuple[fx.Node, fx.Node]:
-    """(values, indices) of `node`'s topk from k rounds of argmax over the entries not yet taken (an
-    index compared with each entry's position, so a tie takes one entry)."""
-    x, k, dim, _ = _args(node)
+def _rounds(graph: fx.Graph, x: fx.Node, k: int, dim: int) -> tuple[fx.Node, fx.Node]:
+    """(values, indices) of x's top k along `dim` from k rounds of argmax over the entries not yet
+    taken (an index compared with each entry's position, so a tie takes one entry)."""
     positions = _positions(graph, x.meta["val"], dim)
     values, indices, untaken = [], [], None
     for _ in range(k):

@@ -538,6 +538,34 @@ def test_restricted_draft_vocabulary_keeps_greedy_output_and_drafts_inside_it(no
         ]
 
 
+def test_restricted_draft_distributions_stay_on_the_draft_vocabulary(noisy_echo_path):
+    """draft_vocab under sampling: the graphs write only the chosen tokens' entries of q, so q is 0
+    off them only if no draft ever writes there. After every depth-3 step (depth-0 steps and the
+    catch-ups after them in between), each request's q_1..q_3 are 0 off the chosen tokens, sum to 1
+    and hold the token drafted from them."""
+    model = load_model(noisy_echo_path)
+    subset = torch.randperm(97, generator=torch.Generator().manual_seed(11))[:17]
+    model.restrict_drafts(subset)
+    off = torch.ones(97, dtype=torch.bool)
+    off[subset] = False
+    rt = runtime(model, 3, mtp_depths=(0, 3))
+    for i, p in enumerate(prompts_for(97, [5, 9, 3], seed=12)):
+        rt.add_request(
+            p, SamplingParams(max_new_tokens=24, temperature=0.9, top_k=6, seed=i, ignore_eos=True)
+        )
+    checked = 0
+    while rt.has_unfinished():
+        rt.mtp_depth = 0 if rt.stats()["decode_steps"] % 4 == 2 else 3
+        rt.step()
+        for r in rt._running.values() if rt.mtp_depth == 3 else ():
+            q, drafts = rt.state.draft_probs[r.slot], rt.state.drafts[r.slot]
+            assert not q[:, off].any()
+            torch.testing.assert_close(q.sum(-1), torch.ones(3))
+            assert (q.gather(1, drafts[:, None]) > 0).all()
+            checked += 1
+    assert checked >= 10
+
+
 def test_a_step_accepts_what_its_text_accepts_at_any_depth(noisy_echo):
     """Greedy drafts depend only on the text before them, and a prefill leaves M where decoding
     does: a step at depth K taken with g tokens generated accepts min(K, a[g]) drafts, where a[g] is

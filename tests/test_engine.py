@@ -539,10 +539,10 @@ def test_restricted_draft_vocabulary_keeps_greedy_output_and_drafts_inside_it(no
 
 
 def test_restricted_draft_distributions_stay_on_the_draft_vocabulary(noisy_echo_path):
-    """draft_vocab under sampling: the graphs write only the chosen tokens' entries of q, so q is 0
-    off them only if no draft ever writes there. After every depth-3 step (depth-0 steps and the
-    catch-ups after them in between), each request's q_1..q_3 are 0 off the chosen tokens, sum to 1
-    and hold the token drafted from them."""
+    """draft_vocab under sampling, which reads q where greedy verification does not: after every
+    depth-3 step (depth-0 steps and the catch-ups after them in between), each request's q_1..q_3
+    over the whole vocabulary are 0 off the chosen tokens, sum to 1 and hold the token drafted from
+    them."""
     model = load_model(noisy_echo_path)
     subset = torch.randperm(97, generator=torch.Generator().manual_seed(11))[:17]
     model.restrict_drafts(subset)
@@ -557,7 +557,9 @@ def test_restricted_draft_distributions_stay_on_the_draft_vocabulary(noisy_echo_
     while rt.has_unfinished():
         rt.mtp_depth = 0 if rt.stats()["decode_steps"] % 4 == 2 else 3
         rt.step()
-        for r in rt._running.values() if rt.mtp_depth == 3 else ():
+        if rt.mtp_depth == 0:
+            continue
+        for r in rt._running.values():
             q, drafts = rt.state.draft_probs[r.slot], rt.state.drafts[r.slot]
             assert not q[:, off].any()
             torch.testing.assert_close(q.sum(-1), torch.ones(3))

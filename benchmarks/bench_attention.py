@@ -2,12 +2,12 @@
 
 Each REV's kernel is the op library built from that commit's sources (a worktree under --work, as
 bench_commits.py makes); one process per REV and round times the op on the shipped model's latent
-attention shapes (4 heads, rank 64, rope 16, a 512-entry cache) for a request of 1 row (K=0) and of
-4 rows (a K=3 verify: 16 query rows), at several live lengths. The REVs take turns within every
+attention shapes (4 heads, rank 64, rope 16, a 512-entry cache) for `--batch` requests (default 1) of
+1 row (K=0) and of 4 rows (a K=3 verify: 16 query rows) each, at several live lengths. The REVs take turns within every
 round, so a change in the machine's speed meets them all. Printed per shape: each REV's best round,
 and its time over the first REV's per round, median (range).
 
-    python benchmarks/bench_attention.py HEAD~1 HEAD [--rounds 5] [--threads 2]
+    python benchmarks/bench_attention.py HEAD~1 HEAD [--rounds 5] [--threads 2] [--batch 1]
 """
 
 from __future__ import annotations
@@ -25,17 +25,18 @@ import json, sys, time, statistics, torch
 from compiled_mtp.ops import library
 library.load()
 torch.set_num_threads(int(sys.argv[1]))
+batch = int(sys.argv[2])
 gen = torch.Generator().manual_seed(0)
 heads, rank, rope, capacity = 4, 64, 16, 512
-cache = torch.randn(2, capacity, rank + rope, generator=gen)
+cache = torch.randn(batch + 1, capacity, rank + rope, generator=gen)
 op, out = torch.ops.compiled_mtp.live_attention, {}
 for steps in (1, 4):
     for live in (64, 128, 256, 512):
-        ql = torch.randn(1, steps, heads, rank, generator=gen)
-        qp = torch.randn(1, steps, heads, rope, generator=gen)
-        visible = torch.zeros(1, steps, capacity, dtype=torch.bool)
+        ql = torch.randn(batch, steps, heads, rank, generator=gen)
+        qp = torch.randn(batch, steps, heads, rope, generator=gen)
+        visible = torch.zeros(batch, steps, capacity, dtype=torch.bool)
         visible[..., :live] = True
-        args = (ql, qp, cache, torch.tensor([1]), visible, 0.1)
+        args = (ql, qp, cache, torch.arange(1, batch + 1), visible, 0.1)
         for _ in range(100):
             op(*args)
         times = []
@@ -49,9 +50,9 @@ print(json.dumps(out))
 """
 
 
-def run(tree: Path, threads: int) -> dict[str, float]:
+def run(tree: Path, threads: int, batch: int) -> dict[str, float]:
     """Microseconds a call per shape, on `tree`'s kernel."""
-    return run_child(tree, CHILD, [str(threads)])
+    return run_child(tree, CHILD, [str(threads), str(batch)])
 
 
 def main() -> None:
@@ -59,6 +60,7 @@ def main() -> None:
     parser.add_argument("revs", nargs="+", help="commits to compare; ratios are against the first")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=1, help="requests in the call, each with its own slot")
     parser.add_argument("--work", type=Path, default=Path("/tmp/compiled_mtp_commits"))
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
@@ -66,10 +68,11 @@ def main() -> None:
     rounds: dict[str, list[dict[str, float]]] = {rev: [] for rev in trees}
     for _ in range(args.rounds + 1):  # the first builds each commit's library, untimed
         for rev, tree in trees.items():
-            rounds[rev].append(run(tree, args.threads))
+            rounds[rev].append(run(tree, args.threads, args.batch))
     first = args.revs[0]
     print(
-        f"live_attention, us a call ({args.threads} threads; best of {args.rounds} rounds; over {first} per round)"
+        f"live_attention, us a call ({args.batch} request(s), {args.threads} threads;"
+        f" best of {args.rounds} rounds; over {first} per round)"
     )
     for shape in rounds[first][0]:
         cells = []

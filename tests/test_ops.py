@@ -8,7 +8,7 @@ import re
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from compiled_mtp.capture.compiler import CompiledGraphs
@@ -296,7 +296,7 @@ def _attention_case(
     batch=st.integers(1, 3),
     rows=st.integers(1, 5),
     capacity=st.integers(1, 150),
-    heads=st.integers(1, 3),
+    heads=st.integers(1, 4),
     rank=st.integers(1, 40),
     rope=st.integers(1, 20),
     slots=st.integers(3, 5),
@@ -304,13 +304,16 @@ def _attention_case(
     strided=st.booleans(),
     seed=st.integers(0, 2**16),
 )
+@example(batch=2, rows=5, capacity=150, heads=4, rank=36, rope=16, slots=3, blind=True, strided=True, seed=1)
 def test_live_attention_equals_attention_over_the_whole_cache(
     batch, rows, capacity, heads, rank, rope, slots, blind, strided, seed
 ):
     """The op reads only up to the last entry a request's rows see; entries past it, whatever they
     hold, have no weight in the traced attention. Widths with and without vector tails, caches over
-    several of the kernel's entry blocks, rows that see nothing (NaN, as traced), and queries read in
-    place by their strides (head-major, as the absorbed products leave q_latent, or slices of a wider row)."""
+    several of the kernel's entry blocks, rows that see nothing (NaN, as traced), queries read in
+    place by their strides (head-major, as the absorbed products leave q_latent, or slices of a wider
+    row), and requests of 16 query rows or more, whose scores come from the entries transposed (the
+    example: 20 rows a request, 3 blocks of entries, the last of 22)."""
     q_latent, q_pe, cache, slot_ids, visible = _attention_case(
         torch.Generator().manual_seed(seed), batch, rows, capacity, heads, rank, rope, slots, blind
     )

@@ -11,14 +11,19 @@ namespace compiled_mtp {
 namespace {
 constexpr int64_t ROWS = 4;          // query rows per block
 constexpr int64_t ENTRY_BLOCK = 64;  // cache entries per block: in L2 while every row block uses them
-// Entries scored at once and vectors of output columns summed at once: ROWS x WIDE accumulators
+// Vectors of entries scored at once and of output columns summed at once: ROWS x WIDE accumulators
 // fit 32 vector registers (AVX-512) with room for the loads, and ROWS x 2 fit 16.
-constexpr int WIDE = Vec::size() >= 16 ? 4 : 2;
+constexpr int64_t WIDE = Vec::size() >= 16 ? 4 : 2;
+// A thread's query rows of a request from which their scores come from each block of entries
+// transposed, the entries along the vector lanes: every score a lane's own sum, none reduced across
+// lanes. The transposition costs about as much as scoring a few rows, so fewer rows score the
+// entries as stored (benchmarks/README.md, "Scores from the entries transposed").
+constexpr int64_t TRANSPOSED_ROWS = 16;
 
 
 // acc[r][e] += <a[r][:n], w[e][:n]> over whole vectors; the tail is left to the caller.
 template <int R>
-static inline void dot_vectors(const float* const* a, const float* const* w, int64_t n, Vec acc[][WIDE]) {
+C10_ALWAYS_INLINE static void dot_vectors(const float* const* a, const float* const* w, int64_t n, Vec acc[][WIDE]) {
     for (int64_t c = 0; c + Vec::size() <= n; c += Vec::size()) {
         Vec ws[WIDE];
         for (int e = 0; e < WIDE; e++) ws[e] = Vec::loadu(w[e] + c);
@@ -35,10 +40,10 @@ static inline float dot_tail(const float* a, const float* w, int64_t n) {
     return s;
 }
 
-// Scores of R query rows against the entries [s0, s1), WIDE at a time: sc[r][s].
+// Scores of R query rows against the entries [s0, s1) as stored, WIDE at a time: sc[r][s].
 template <int R>
-static void scores(const float* const* ql, const float* const* qp, const float* kv, int64_t s0, int64_t s1,
-                   int64_t rank, int64_t rope, float* const* sc) {
+static void scores_across(const float* const* ql, const float* const* qp, const float* kv, int64_t s0, int64_t s1,
+                          int64_t rank, int64_t rope, float* const* sc) {
     const int64_t width = rank + rope;
     const bool tails = rank % Vec::size() || rope % Vec::size();
     for (int64_t s = s0; s < s1; s += WIDE) {
@@ -63,6 +68,45 @@ static void scores(const float* const* ql, const float* const* qp, const float* 
     }
 }
 
+// acc[r][j] += q[r][c] * kv_t[c][j vectors] for c in [0, n): the entries of a block along the vector
+// lanes (kv_t, the block transposed), so that every score is a lane's own sum and none is reduced
+// across lanes.
+template <int R, int J>
+C10_ALWAYS_INLINE static void dot_columns(const float* const* q, const float* kv_t, int64_t n, Vec (&acc)[R][J]) {
+    for (int64_t c = 0; c < n; c++) {
+        Vec w[J];
+        for (int j = 0; j < J; j++) w[j] = Vec::loadu(kv_t + c * ENTRY_BLOCK + j * Vec::size());
+        for (int r = 0; r < R; r++) {
+            const Vec x(q[r][c]);
+            for (int j = 0; j < J; j++) acc[r][j] = at::vec::fmadd(x, w[j], acc[r][j]);
+        }
+    }
+}
+
+// Scores of R query rows against the block's `count` entries, J vectors of them, transposed in kv_t
+// [rank + rope][ENTRY_BLOCK]: sc[r][0 : count].
+template <int R, int J>
+static void scores_along(const float* const* ql, const float* const* qp, const float* kv_t, int64_t count,
+                         int64_t rank, int64_t rope, float* const* sc) {
+    Vec acc[R][J];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < J; j++) acc[r][j] = Vec(0.f);
+    dot_columns<R, J>(ql, kv_t, rank, acc);
+    dot_columns<R, J>(qp, kv_t + rank * ENTRY_BLOCK, rope, acc);
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < J; j++) {
+            const int64_t first = j * Vec::size();
+            acc[r][j].store(sc[r] + first, static_cast<int>(std::min<int64_t>(Vec::size(), count - first)));
+        }
+}
+
+template <int R, int J>
+static void scores_along_of(const float* const* ql, const float* const* qp, const float* kv_t, int64_t count,
+                            int64_t rank, int64_t rope, float* const* sc) {
+    if (count > (J - 1) * Vec::size()) scores_along<R, J>(ql, qp, kv_t, count, rank, rope, sc);
+    else if constexpr (J > 1) scores_along_of<R, J - 1>(ql, qp, kv_t, count, rank, rope, sc);
+}
+
 // out[r][c0 : c0 + V vectors] += sum over s in [s0, s1) of p[r][s] * kv[s][c0 : ...].
 template <int R, int V>
 static void weighted_sum(const float* const* p, const float* kv, int64_t s0, int64_t s1, int64_t width, int64_t c0,
@@ -82,12 +126,21 @@ static void weighted_sum(const float* const* p, const float* kv, int64_t s0, int
         for (int v = 0; v < V; v++) acc[r][v].store(out[r] + c0 + v * Vec::size());
 }
 
-// Rows [0, R) of a block against the entries [s0, s1): scores, or the weighted sum of every column.
+// Rows [0, R) of a block against the entries [s0, s1): their scores, from the block transposed where
+// there is one (kv_t), or the weighted sum of every column.
 template <int R>
-static void block(bool score, const float* const* ql, const float* const* qp, const float* kv, int64_t s0, int64_t s1,
-                  int64_t rank, int64_t rope, float* const* p, float* const* out) {
+static void block(bool score, const float* const* ql, const float* const* qp, const float* kv, const float* kv_t,
+                  int64_t s0, int64_t s1, int64_t rank, int64_t rope, float* const* p, float* const* out) {
     const int64_t width = rank + rope;
-    if (score) return scores<R>(ql, qp, kv, s0, s1, rank, rope, p);
+    if (score && kv_t == nullptr) return scores_across<R>(ql, qp, kv, s0, s1, rank, rope, p);
+    if (score) {
+        for (int64_t e0 = 0; e0 < s1 - s0; e0 += WIDE * Vec::size()) {
+            float* sc[R];
+            for (int r = 0; r < R; r++) sc[r] = p[r] + s0 + e0;
+            scores_along_of<R, WIDE>(ql, qp, kv_t + e0, std::min(WIDE * Vec::size(), s1 - s0 - e0), rank, rope, sc);
+        }
+        return;
+    }
     const int64_t step = WIDE * Vec::size(), whole = rank - rank % Vec::size();
     int64_t c = 0;
     for (; c + step <= whole; c += step) weighted_sum<R, WIDE>(p, kv, s0, s1, width, c, out);
@@ -99,23 +152,27 @@ static void block(bool score, const float* const* ql, const float* const* qp, co
 
 template <int R>
 static void block_any(int64_t rows, bool score, const float* const* ql, const float* const* qp, const float* kv,
-                      int64_t s0, int64_t s1, int64_t rank, int64_t rope, float* const* p, float* const* out) {
-    if (rows == R) block<R>(score, ql, qp, kv, s0, s1, rank, rope, p, out);
-    else if constexpr (R > 1) block_any<R - 1>(rows, score, ql, qp, kv, s0, s1, rank, rope, p, out);
+                      const float* kv_t, int64_t s0, int64_t s1, int64_t rank, int64_t rope, float* const* p,
+                      float* const* out) {
+    if (rows == R) block<R>(score, ql, qp, kv, kv_t, s0, s1, rank, rope, p, out);
+    else if constexpr (R > 1) block_any<R - 1>(rows, score, ql, qp, kv, kv_t, s0, s1, rank, rope, p, out);
 }
 
 // Scaled, masked softmax of one row of scores over [0, live); no visible entry gives NaN, as traced.
+// Every pass runs over whole vectors (the masking is the compiler's): a scalar running maximum was a
+// chain of dependent instructions as long as the row.
 static void softmax(float* sc, const bool* visible, int64_t live, float scale) {
-    float top = -std::numeric_limits<float>::infinity();
-    for (int64_t s = 0; s < live; s++) {
-        sc[s] = visible[s] ? sc[s] * scale : -std::numeric_limits<float>::infinity();
-        top = std::max(top, sc[s]);
-    }
-    if (top == -std::numeric_limits<float>::infinity()) {
+    constexpr float none = -std::numeric_limits<float>::infinity();
+    for (int64_t s = 0; s < live; s++) sc[s] = visible[s] ? sc[s] * scale : none;
+    const int64_t whole = live - live % Vec::size();
+    Vec tops(none);
+    for (int64_t s = 0; s < whole; s += Vec::size()) tops = at::vec::maximum(tops, Vec::loadu(sc + s));
+    float top = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, tops);
+    for (int64_t s = whole; s < live; s++) top = std::max(top, sc[s]);
+    if (top == none) {
         std::fill(sc, sc + live, std::numeric_limits<float>::quiet_NaN());
         return;
     }
-    const int64_t whole = live - live % Vec::size();
     Vec total(0.f);
     for (int64_t s = 0; s < whole; s += Vec::size()) {
         const Vec e = (Vec::loadu(sc + s) - Vec(top)).exp();
@@ -124,7 +181,8 @@ static void softmax(float* sc, const bool* visible, int64_t live, float scale) {
     }
     float sum = sum_lanes(total);
     for (int64_t s = whole; s < live; s++) sum += (sc[s] = std::exp(sc[s] - top));
-    for (int64_t s = 0; s < live; s++) sc[s] /= sum;
+    for (int64_t s = 0; s < whole; s += Vec::size()) (Vec::loadu(sc + s) / Vec(sum)).store(sc + s);
+    for (int64_t s = whole; s < live; s++) sc[s] /= sum;
 }
 
 // The entries up to the last visible one in a row of `visible` (0 if none). Every layer scans every
@@ -164,7 +222,7 @@ void kernel(const float* q_latent, const float* q_pe, const float* cache, const 
     for (int64_t item = 0; item < batch * chunks; item++) {
         const int64_t b = item / chunks, q0 = (item % chunks) * chunk, q1 = std::min(q0 + chunk, rows), n = live[b];
         const float* kv = cache + slots[b] * capacity * width;
-        std::vector<float> probs((q1 - q0) * n);
+        std::vector<float> probs((q1 - q0) * n), kv_t(q1 - q0 >= TRANSPOSED_ROWS ? width * ENTRY_BLOCK : 0, 0.f);
         float* o = out + (b * rows + q0) * rank;
         // Nothing visible to any row: NaN, as traced; else the weighted sum accumulates from zero.
         std::fill(o, o + (q1 - q0) * rank, n ? 0.f : std::numeric_limits<float>::quiet_NaN());
@@ -172,6 +230,12 @@ void kernel(const float* q_latent, const float* q_pe, const float* cache, const 
         auto each_block = [&](bool score) {
             for (int64_t s0 = 0; s0 < n; s0 += ENTRY_BLOCK) {
                 const int64_t s1 = std::min(s0 + ENTRY_BLOCK, n);
+                // Transposed once for all the rows' scores. Past s1, kv_t holds an earlier block's
+                // entries (or zeros): scored with the others, never stored.
+                if (score && !kv_t.empty()) {
+                    at::vec::transpose_mxn<float>(kv + s0 * width, width, kv_t.data(), ENTRY_BLOCK,
+                                                  static_cast<int>(s1 - s0), static_cast<int>(width));
+                }
                 for (int64_t r0 = q0; r0 < q1; r0 += ROWS) {
                     const int64_t count = std::min(ROWS, q1 - r0);
                     const float *ql[ROWS], *qp[ROWS];
@@ -183,7 +247,8 @@ void kernel(const float* q_latent, const float* q_pe, const float* cache, const 
                         p[r] = probs.data() + (r0 + r - q0) * n;
                         acc[r] = o + (r0 + r - q0) * rank;
                     }
-                    block_any<ROWS>(count, score, ql, qp, kv, s0, s1, rank, rope, p, acc);
+                    const float* transposed = kv_t.empty() ? nullptr : kv_t.data();
+                    block_any<ROWS>(count, score, ql, qp, kv, transposed, s0, s1, rank, rope, p, acc);
                 }
             }
         };

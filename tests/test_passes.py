@@ -396,6 +396,15 @@ def test_group_experts_leaves_one_row_layers_to_inductor(model, state, kind, b, 
     assert passes_log == [("INFO", "group_experts: left as traced: 1 row(s), fewer than MIN_ROWS (2)")]
 
 
+@pytest.mark.parametrize("kind,b,k,layers", [("target_verify", 1, 0, 1), ("draft_decode", 1, 3, 2)])
+def test_group_experts_takes_one_row_layers_of_bfloat16_weights(bfloat16_model, state, kind, b, k, layers):
+    """On weights of bfloat16 values the one-row MoE layers go to the op too (the op reads the experts'
+    bfloat16 copies as they are)."""
+    before, after = _graphs(kind, b, k, bfloat16_model, state, ("group_experts",))
+    assert _count(before, ROUTED_EXPERTS) == 0 and _count(after, ROUTED_EXPERTS) == layers
+    _assert_same(before, after, state, bfloat16_model, kind, b, k, exact=False)
+
+
 def test_group_experts_leaves_a_layer_the_op_does_not_reproduce(model, state, monkeypatch, caplog):
     """The probe decides: an op that disagrees with the traced products replaces nothing."""
     _replace_op(monkeypatch, "group_experts", lambda x, *args: torch.zeros_like(x))
@@ -549,8 +558,10 @@ def _weight_reads(graph):
     return params, [n for n in attrs if bfloat16_reads.weight_of(n.target) is not None]
 
 
-@pytest.mark.parametrize("kind,b,k", [("target_verify", 2, 1), ("draft_decode", 1, 3)])
-def test_bfloat16_reads_give_inductors_loops_bfloat16_copies(model, bfloat16_model, state, kind, b, k):
+@pytest.mark.parametrize("kind,b,k,layers", [("target_verify", 2, 1, 1), ("draft_decode", 1, 3, 2)])
+def test_bfloat16_reads_give_inductors_loops_bfloat16_copies(
+    model, bfloat16_model, state, kind, b, k, layers
+):
     """On weights of bfloat16 values, every read of a weight that stays in Inductor's loops (through
     any views) reads a bfloat16 copy, widened in the loop, and routed_experts reads the copies as they
     are; a weight a GEMM or another C++ op reads stays float32 for it, and the graph computes the same
@@ -565,7 +576,7 @@ def test_bfloat16_reads_give_inductors_loops_bfloat16_copies(model, bfloat16_mod
         for c in copies
     )
     experts = list(read.graph.find_nodes(op="call_function", target=ROUTED_EXPERTS))
-    assert all(set(n.args[3:]) <= set(copies) for n in experts) and len(experts) == (kind == "target_verify")
+    assert all(set(n.args[3:]) <= set(copies) for n in experts) and len(experts) == layers
     assert not any(bfloat16_reads._in_loops(u) for p in params for u in p.users)
     read_weights = {p.target for p in params} | {bfloat16_reads.weight_of(c.target) for c in copies}
     assert read_weights == {p.target for p in _weight_reads(plain)[0]}

@@ -3,10 +3,9 @@
 Where every weight holds bfloat16 values (weights.py), the C++ ops read them from bfloat16 panels,
 half the bytes. What stays in Inductor's generated loops read float32: the one-row linears below
 narrow_linear's kernel size (at B = 1, the attention projections of every layer and the MTP layer's
-eh_proj), a one-row MoE layer's gathered experts, the router. This pass gives such reads a
-bfloat16 copy of the weight, widened inside the loop (`convert_element_type`, which Inductor fuses
-into the load), so they read half the bytes for the same float32 values: the products and sums are
-bit for bit those of the float32 weight.
+eh_proj), the router. This pass gives such reads a bfloat16 copy of the weight, widened inside the
+loop (`convert_element_type`, which Inductor fuses into the load), so they read half the bytes for
+the same float32 values: the products and sums are bit for bit those of the float32 weight.
 
 A read counts as Inductor's when it reaches no call out of the generated code (a GEMM, a batched
 product, a C++ op), through any chain of views: there a widened copy would be made on every call,

@@ -8,7 +8,10 @@ row, 768 x 256), the kernel alone against Inductor's code for the gathered produ
 10.7 ms against 2.4 / 7.1 / 15.5 ms at 1 / 4 / 16 rows. In the 250m verify, timed in turns in one
 process, a verify of 4 rows took 1.1-2.2 ms less with the op, but one of 1 row 0.2-1.3 ms more (a call
 out of the generated code, where Inductor fuses the products with their neighbours), so layers on
-fewer than MIN_ROWS rows stay as they are.
+fewer than MIN_ROWS rows stay as they are. On weights of bfloat16 values (weights.py) one row goes to
+the op too: there Inductor's code for a one-row MoE layer is one kernel of some 35 barriers between
+small loops, and the shipped model's draft_decode (two one-row MoE layers) took 0.947x the time with
+the op (benchmarks/README.md).
 
 The products are found by provenance (region.py), each layer's as one connected region of nodes
 traced inside `gathered_experts`, with the function's six inputs and one output. Shapes tell the inputs apart but
@@ -26,8 +29,10 @@ from torch import Tensor, fx
 
 from ..models.layers import gathered_experts
 from .region import Region, RegionPass, Unfusable, by_signature, one_agreeing
+from .weights import BFLOAT16_VALUES
 
 MIN_ROWS = 2
+BFLOAT16_MIN_ROWS = 1  # on weights of bfloat16 values
 
 
 class GroupExperts(RegionPass):
@@ -35,15 +40,16 @@ class GroupExperts(RegionPass):
     op_name = "routed_experts"
     native = True
     arity = (6, 1)
-    settings = (MIN_ROWS,)
+    settings = (MIN_ROWS, BFLOAT16_MIN_ROWS)
 
     def roles(
         self, region: set[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]
     ) -> tuple[list, list[fx.Node]]:
         """(x, idx, weights, gate, up, down) -> out; gate and up told apart on probes."""
         out = outputs[0].meta["val"]
-        if out.dim() == 2 and out.shape[0] < MIN_ROWS:
-            raise Unfusable(f"{out.shape[0]} row(s), fewer than MIN_ROWS ({MIN_ROWS})", expected=True)
+        least = BFLOAT16_MIN_ROWS if BFLOAT16_VALUES.get() else MIN_ROWS
+        if out.dim() == 2 and out.shape[0] < least:
+            raise Unfusable(f"{out.shape[0]} row(s), fewer than MIN_ROWS ({least})", expected=True)
         two_d, (idx,), three_d = by_signature(
             inputs, {(2, True): 2, (2, False): 1, (3, True): 3}, "inputs (x, idx, weights, gate, up, down)"
         )

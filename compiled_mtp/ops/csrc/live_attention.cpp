@@ -223,6 +223,7 @@ void kernel(const float* q_latent, const float* q_pe, const float* cache, const 
         const int64_t b = item / chunks, q0 = (item % chunks) * chunk, q1 = std::min(q0 + chunk, rows), n = live[b];
         const float* kv = cache + slots[b] * capacity * width;
         std::vector<float> probs((q1 - q0) * n), kv_t(q1 - q0 >= TRANSPOSED_ROWS ? width * ENTRY_BLOCK : 0, 0.f);
+        float* const transposed = kv_t.empty() ? nullptr : kv_t.data();
         float* o = out + (b * rows + q0) * rank;
         // Nothing visible to any row: NaN, as traced; else the weighted sum accumulates from zero.
         std::fill(o, o + (q1 - q0) * rank, n ? 0.f : std::numeric_limits<float>::quiet_NaN());
@@ -232,8 +233,8 @@ void kernel(const float* q_latent, const float* q_pe, const float* cache, const 
                 const int64_t s1 = std::min(s0 + ENTRY_BLOCK, n);
                 // Transposed once for all the rows' scores. Past s1, kv_t holds an earlier block's
                 // entries (or zeros): scored with the others, never stored.
-                if (score && !kv_t.empty()) {
-                    at::vec::transpose_mxn<float>(kv + s0 * width, width, kv_t.data(), ENTRY_BLOCK,
+                if (score && transposed != nullptr) {
+                    at::vec::transpose_mxn<float>(kv + s0 * width, width, transposed, ENTRY_BLOCK,
                                                   static_cast<int>(s1 - s0), static_cast<int>(width));
                 }
                 for (int64_t r0 = q0; r0 < q1; r0 += ROWS) {
@@ -247,7 +248,6 @@ void kernel(const float* q_latent, const float* q_pe, const float* cache, const 
                         p[r] = probs.data() + (r0 + r - q0) * n;
                         acc[r] = o + (r0 + r - q0) * rank;
                     }
-                    const float* transposed = kv_t.empty() ? nullptr : kv_t.data();
                     block_any<ROWS>(count, score, ql, qp, kv, transposed, s0, s1, rank, rope, p, acc);
                 }
             }

@@ -18,8 +18,8 @@ upcast: the op reads them from bfloat16 panels, half the bytes (ops/csrc/panels.
 float32` times float32 panels.
 
 With `--against REV` the ops of git revision REV are built beside this checkout's (in a namespace of
-their own) and both dense_mlp kernels run cold in turns, round after round, so a drift in memory
-speed meets both.
+their own) and both dense_mlp kernels run in turns, round after round, cold and then hot, so a drift
+in memory speed meets both.
 """
 
 from __future__ import annotations
@@ -97,7 +97,8 @@ def op_at(rev: str):
 
 
 def in_turns(ops: dict, x: torch.Tensor, weights: list, rounds: int) -> dict[str, float]:
-    """Median over rounds of each op's cold microseconds per MLP, the ops taking turns every round."""
+    """Median over rounds of each op's microseconds per MLP over `weights` in turn, the ops taking turns
+    every round."""
     times: dict[str, list[float]] = {name: [] for name in ops}
     for _ in range(rounds):
         for name, op in ops.items():
@@ -153,13 +154,14 @@ def main() -> None:
         )
     if args.against:
         ops = {"this": torch.ops.compiled_mtp.dense_mlp, args.against: op_at(args.against)}
-        print(f"cold, in turns, median of {args.rounds * 3} rounds (us per MLP):")
-        for rows in args.rows:
-            t = in_turns(ops, torch.randn(rows, h), weights, args.rounds * 3)
-            print(
-                f"  {rows:2d} row(s): this {t['this']:6.1f}, {args.against} {t[args.against]:6.1f}: "
-                f"{t['this'] / t[args.against]:.3f}x"
-            )
+        for name, sets in (("cold", weights), ("hot", weights[:1] * len(weights))):
+            print(f"{name}, in turns, median of {args.rounds * 3} rounds (us per MLP):")
+            for rows in args.rows:
+                t = in_turns(ops, torch.randn(rows, h), sets, args.rounds * 3)
+                print(
+                    f"  {rows:2d} row(s): this {t['this']:6.1f}, {args.against} {t[args.against]:6.1f}: "
+                    f"{t['this'] / t[args.against]:.3f}x"
+                )
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ std::atomic<bool> amx_on{amx_available};
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-bf16")
 
-constexpr int64_t LANES = PANEL_LANES, PARTS = 3, GROUP = 3;  // panels at once: 3 parts, 2 weight and 3 sum tiles
+constexpr int64_t LANES = PANEL_LANES, PARTS = 3, GROUP = 3;  // panels at once: 3 weight and 3 sum tiles
 constexpr int64_t PAIR_ROW = 2 * LANES * sizeof(uint16_t);  // bytes of a tile row of weights: each lane's pair of columns
 constexpr int64_t BLOCK_BYTES = PANEL_K_BLOCK * LANES * sizeof(uint16_t);  // a tile of weights
 // Bytes of each panel prefetched ahead of the tile loads (6 tiles): without it, panels read cold
@@ -106,8 +106,11 @@ void store_sums(int64_t rows, float* out, int64_t n, int64_t col, float* spill) 
     for (int64_t r = 0; r < rows; r++) std::memcpy(out + r * n + col, spill + r * LANES, (n - col) * sizeof(float));
 }
 
-// G <= GROUP panels from `first` on: each part of the rows in its own tile (0-2), and the three
-// products into the same sums; tiles 3-4 hold blocks of weights in turn, 5-7 each panel's sums.
+// G <= GROUP panels from `first` on: tiles 2-4 hold a block of each panel's weights, 5-7 each panel's
+// sums, and the rows' parts load into tiles 0 and 1 in turn. Each part meets every panel's weights
+// before the next part loads, so consecutive products go to different sums: a product into the sum
+// the one before wrote waits for it to finish, and the three parts back to back into one sum left
+// the tile unit idle for most of each product.
 template <int G>
 void group(const uint16_t* parts, int64_t rows, int64_t kp, const uint16_t* first, float* out, int64_t n, int64_t col, float* spill) {
     const int64_t panel = kp * LANES, stride = kp * sizeof(uint16_t);
@@ -115,11 +118,13 @@ void group(const uint16_t* parts, int64_t rows, int64_t kp, const uint16_t* firs
         (zero_tile<5 + g>(), ...);
         for (int64_t c = 0; c < kp; c += PANEL_K_BLOCK) {
             (prefetch_ahead(first + g * panel + c * LANES), ...);
+            (load_tile<2 + g>(first + g * panel + c * LANES, PAIR_ROW), ...);
             load_tile<0>(parts + c, stride);
+            (dot<5 + g, 0, 2 + g>(), ...);
             load_tile<1>(parts + rows * kp + c, stride);
-            load_tile<2>(parts + 2 * rows * kp + c, stride);
-            ((load_tile<3 + g % 2>(first + g * panel + c * LANES, PAIR_ROW), dot<5 + g, 0, 3 + g % 2>(),
-              dot<5 + g, 1, 3 + g % 2>(), dot<5 + g, 2, 3 + g % 2>()), ...);
+            (dot<5 + g, 1, 2 + g>(), ...);
+            load_tile<0>(parts + 2 * rows * kp + c, stride);
+            (dot<5 + g, 0, 2 + g>(), ...);
         }
         (store_sums<5 + g>(rows, out, n, col + g * LANES, spill), ...);
     }(std::make_integer_sequence<int, G>{});
@@ -138,7 +143,7 @@ void tile_run(const float* x, int64_t rows, int64_t k, const uint16_t* panels, i
     split(x, rows, k, kp, parts.data());
     TileConfig config;
     for (int t = 0; t < 8; t++) {
-        config.rows[t] = t == 3 || t == 4 ? PANEL_K_BLOCK / 2 : rows;
+        config.rows[t] = t >= 2 && t <= 4 ? PANEL_K_BLOCK / 2 : rows;
         config.colsb[t] = 64;
     }
     _tile_loadconfig(&config);

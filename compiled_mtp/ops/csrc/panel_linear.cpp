@@ -30,6 +30,10 @@ constexpr int64_t FEW_ROWS = 0, FEW_ROW_PANELS = PANELS, FOUR_ROW_PANELS = PANEL
 // Bytes of each panel prefetched ahead (96 steps along `in` of float32): with the hardware's prefetch
 // alone, a cold MLP at 4-16 rows took 1.05-1.2x the time, in turns (benchmarks/README.md).
 constexpr int64_t AHEAD_BYTES = 96 * LANES * sizeof(float);
+// Panels of at most this many bytes are multiplied on the calling thread alone: on the shipped model's
+// kv_a and q_b projections (40 and 48 KB of bfloat16 panels) opening a parallel region cost more than
+// the second core saved, at 4 to 16 rows (benchmarks/README.md, "Small products on one thread").
+constexpr int64_t SERIAL_BYTES = 48 << 10;
 
 struct Panels {
     c10::weak_intrusive_ptr<c10::StorageImpl> storage;  // the weight's: a freed weight never matches
@@ -261,9 +265,11 @@ void panel_run(const float* x, int64_t rows, int64_t k, const at::Tensor& panels
 }
 
 void panel_product(const float* x, int64_t rows, int64_t k, const at::Tensor& panels, int64_t n, float* out) {
+    const int64_t count = (n + LANES - 1) / LANES;
+    if (panels.nbytes() <= SERIAL_BYTES) return panel_run(x, rows, k, panels, n, out, 0, count);
     // Each thread takes an equal run of panels and works through it PANELS at a time: handing out
     // whole groups of PANELS left a thread idle for a third of a 128-output linear (8 panels).
-    at::parallel_for(0, (n + LANES - 1) / LANES, 1, [&](int64_t q0, int64_t q1) { panel_run(x, rows, k, panels, n, out, q0, q1); });
+    at::parallel_for(0, count, 1, [&](int64_t q0, int64_t q1) { panel_run(x, rows, k, panels, n, out, q0, q1); });
 }
 
 // compiled_mtp::panel_bytes(weight): the bytes of the panels the ops read in place of `weight`, or 0 if

@@ -25,7 +25,7 @@ from torch import fx
 
 from ..models.layers import dense_mlp
 from .region import Region, RegionPass, Unfusable, one_agreeing
-from .weights import BFLOAT16_VALUES
+from .weights import fewest_rows
 
 MIN_ROWS, MAX_ROWS = 2, 16
 # On weights of bfloat16 values the op reads half the bytes, which pays for its call at 1 row too.
@@ -52,7 +52,7 @@ class FuseDenseMLP(RegionPass):
         """(x, gate, up, down) -> out; gate and up told apart on probes."""
         out = outputs[0].meta["val"]
         rows = math.prod(out.shape[:-1])
-        least = BFLOAT16_MIN_ROWS if BFLOAT16_VALUES.get() else MIN_ROWS
+        least = fewest_rows(MIN_ROWS, BFLOAT16_MIN_ROWS)
         if not least <= rows <= MAX_ROWS:
             raise Unfusable(f"{rows} row(s), outside [{least}, {MAX_ROWS}]", expected=True)
         candidates = [

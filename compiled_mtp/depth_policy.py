@@ -41,18 +41,13 @@ depth 0 first runs the MTP catch-up, and the requests of a batch that drafts fin
 so its last steps run the bucket for fewer rows. The current depth is each bucket's own: a batch whose
 last request runs alone at depth 3 comes back to its own depth 0 with the margin counted from there.
 
-A batch of several requests finishes when its last request does. At depth 0 each request commits
-one token a step; drafting commits a random number, so the requests part, and the batch's last steps
-run for its last requests alone, for about as long as the slowest of them lags. So each K > 0 is
-valued over the steps the batch would take at it (the tokens wanted over the expected tokens a step)
-and the tail beyond them: the expected lag of the slowest of the batch's n requests, E[max of n
-standard normals] times the spread of a request's step count (a step's tokens have variance
-sigma_K^2 around mean mu_K, so after s steps the count's spread is sqrt(s) sigma_K / mu_K), and half
-a step for the last step's tokens beyond those wanted. The fixed depths' tails at B=4, measured, are
-in benchmarks/README.md. The tail shrinks more slowly than the steps left, so while a batch holds
-depth 0 a drafting depth only loses ground. Requests that want the same number of tokens (a batch
-generated together) would finish together at depth 0, so such a batch changes to or from depth 0 at
-`margin`; at a batch's first step it runs no catch-up either, since each prefill ran the MTP layer.
+A batch of several requests finishes when its last request does, and at K > 0 its requests commit
+random numbers of tokens, so they part and the batch's last steps run for its last requests alone, on
+a smaller bucket's graphs. Each depth is valued at its expected tokens a step over its cost alone:
+valued over its slowest request's expected tail as well, at the full bucket's cost, the drafting
+depths lost to depth 0 where over whole batches K=1-3 decoded 2-8% faster than K=0, and auto held
+depth 0 for most of a run (benchmarks/README.md, "Auto without the tail valuation"). `zero_margin`
+stands for the catch-up and the parting.
 
 A cost is only as current as the last step run at that key: a depth that lost once would never be
 measured again. So every depth not run for `probe_every` steps of a bucket runs a probe; every depth
@@ -91,7 +86,6 @@ to recheck_every - 1 steps late.
 from __future__ import annotations
 
 import argparse
-import functools
 import math
 import statistics
 from collections import Counter, defaultdict, deque
@@ -111,17 +105,6 @@ CALIBRATE_AFTER = 64  # calibration() is worked out again after a 64th more draf
 def expected_tokens(rates: Sequence[float], depth: int) -> float:
     """Expected tokens a step at `depth` commits, for conditional acceptance rates per position."""
     return _expected_by_depth(rates, depth)[depth]
-
-
-def _spread_by_depth(expected: Sequence[float]) -> list[float]:
-    """For every depth k, the variance over the steps of the tokens a step at k commits, from
-    _expected_by_depth's list: a step reaches n tokens with chance expected[n - 1] - expected[n - 2]."""
-    out, square, previous = [], 0.0, 0.0
-    for n, mean in enumerate(expected, start=1):
-        square += (2 * n - 1) * (mean - previous)  # n^2 - (n - 1)^2 more for the steps that reach n
-        previous = mean
-        out.append(square - mean * mean)
-    return out
 
 
 def _expected_by_depth(rates: Sequence[float], depth: int) -> list[float]:
@@ -276,13 +259,10 @@ class DepthPolicy:
     def expected(self, rates: Sequence[Sequence[float]], remaining: Sequence[int]) -> dict[int, float]:
         """Tokens a batch is expected to commit in one step at each depth: its requests' rates,
         calibrated for the depth, each request's count capped at the tokens it still wants."""
-        return self._tokens([_expected_by_depth(r, self.depths[-1]) for r in rates], remaining)
-
-    def _tokens(self, per_request: list[list[float]], remaining: Sequence[int]) -> dict[int, float]:
-        """expected() from each request's _expected_by_depth list."""
         scale = self.calibration()
         tokens = dict.fromkeys(self.depths, 0.0)
-        for e, n in zip(per_request, remaining):
+        for r, n in zip(rates, remaining):
+            e = _expected_by_depth(r, self.depths[-1])
             for k in self.depths:
                 tokens[k] += min(e[k] * scale[k], n)
         return tokens
@@ -304,8 +284,7 @@ class DepthPolicy:
         self.current = self._held_by.get(bucket, self.current)
         # The requests' own rate lists (observe updates them in place): a request that left or joined
         # ends a hold, however alike the rates.
-        together = len(remaining) > 1 and len(set(remaining)) == 1  # they would finish together at K=0
-        inputs = (bucket, self._changes, tuple(map(id, rates)), together)
+        inputs = (bucket, self._changes, tuple(map(id, rates)))
         held, held_rates, observed, uncapped, until, settled = self._hold
         step = self._steps[bucket] + 1
         # The rates are compared last: at K > 0 every step tests drafts, so they differ already.
@@ -319,15 +298,11 @@ class DepthPolicy:
             return self.current
         value = self.values(bucket, rates, remaining)
         best = max(value, key=value.__getitem__)
-        if value[best] > value[self.current] * (1 + self._margin(best, together)):
+        if value[best] > value[self.current] * (1 + self._margin(best)):
             self.current = best
         self._held_by[bucket] = self.current
         self._steps[bucket] += 1
-        due = {
-            k: self._due_after(bucket, k, value, remaining, together)
-            for k in self.depths
-            if k != self.current
-        }
+        due = {k: self._due_after(bucket, k, value, remaining) for k in self.depths if k != self.current}
         probes = [k for k, after in due.items() if self._steps[bucket] > after]
         # A request that wants this many tokens or more counts its expected tokens uncapped.
         uncapped = (self.depths[-1] + 1) * max(self.calibration().values())
@@ -348,38 +323,15 @@ class DepthPolicy:
         self, bucket: int, rates: Sequence[Sequence[float]], remaining: Sequence[int]
     ) -> dict[int, float]:
         """Each depth's expected tokens a second for a batch in `bucket` (every key timed): its
-        expected tokens a step over the key's cost, a batch's K > 0 valued over its slowest request's
-        tail as well (the module's docstring)."""
-        per_request = [_expected_by_depth(r, self.depths[-1]) for r in rates]
-        tokens = self._tokens(per_request, remaining)
-        value = {k: tokens[k] / self._cost[bucket, k] for k in self.depths}
-        if len(remaining) > 1:
-            self._tail(value, tokens, per_request, sum(remaining))
-        return value
+        expected tokens a step over the key's cost."""
+        tokens = self.expected(rates, remaining)
+        return {k: tokens[k] / self._cost[bucket, k] for k in self.depths}
 
-    def _tail(
-        self, value: dict[int, float], tokens: dict[int, float], per_request: list[list[float]], wanted: int
-    ) -> None:
-        """Each K > 0 valued over the steps the batch takes at it and the tail of its slowest request
-        (the module's docstring): its value times steps / (steps + tail)."""
-        scale, n = self.calibration(), len(per_request)
-        spreads = [_spread_by_depth(e) for e in per_request]
-        lag = _expected_max(n)
-        for k in self.depths:
-            if k:
-                mean = tokens[k] / n  # a request's tokens a step, the caps included
-                variance = scale[k] ** 2 * sum(s[k] for s in spreads) / n
-                steps = wanted / tokens[k]
-                tail = lag * math.sqrt(steps * variance) / mean + 0.5
-                value[k] *= steps / (steps + tail)
-
-    def _margin(self, k: int, together: bool) -> float:
+    def _margin(self, k: int) -> float:
         """How much better depth k's value must be than the current depth's to replace it."""
-        return self.zero_margin if 0 in (k, self.current) and not together else self.margin
+        return self.zero_margin if 0 in (k, self.current) else self.margin
 
-    def _due_after(
-        self, bucket: int, k: int, value: dict[int, float], remaining: Sequence[int], together: bool
-    ) -> float:
+    def _due_after(self, bucket: int, k: int, value: dict[int, float], remaining: Sequence[int]) -> float:
         """The bucket's step after which a probe of depth k is due (at the shortest wait when that
         has not passed yet, without working out which wait applies)."""
         measured = self._measured_at[bucket, k]
@@ -389,9 +341,9 @@ class DepthPolicy:
         near = value[k] * (1 + self.close) >= value[self.current] and 0 not in (k, self.current)
         every = self.close_probe_every if near else self._far_every(bucket, k, value, remaining)
         last = value[k] * self._cost[bucket, k] / self._samples[bucket, k][-1]  # valued at its last timing
-        # Across depth 0 a probe runs a catch-up (and may set apart requests that finish together):
-        # worth it where its last timing would change the depth, not merely beat the current one.
-        needed = self._margin(k, together) if 0 in (k, self.current) else 0.0
+        # Across depth 0 a probe runs a catch-up: worth it where its last timing would change the
+        # depth, not merely beat the current one.
+        needed = self._margin(k) if 0 in (k, self.current) else 0.0
         if last > value[self.current] * (1 + needed):
             every = min(every, self.close_probe_every)  # its last timing alone would win
         return measured + every
@@ -414,17 +366,6 @@ class DepthPolicy:
             loss += self._catch_up.get(bucket, 0.0)
         steps = loss / (share * self._cost[bucket, current])
         return min(self.probe_most, max(self.probe_every, steps))
-
-
-@functools.cache
-def _expected_max(n: int) -> float:
-    """E[max of n independent standard normals]: the integral of x n phi(x) Phi(x)^(n - 1)."""
-    step, total = 0.01, 0.0
-    for i in range(-800, 801):
-        x = i * step
-        density = math.exp(-x * x / 2) / math.sqrt(2 * math.pi)
-        total += x * n * density * (0.5 * (1 + math.erf(x / math.sqrt(2)))) ** (n - 1) * step
-    return total
 
 
 def depth_arg(text: str) -> int | str:

@@ -80,13 +80,10 @@ def test_choice_is_the_best_value_unless_the_current_one_is_within_the_margin(
     remaining = remaining[: len(rates)]
     tokens = {k: sum(min(expected_tokens(r, k), n) for r, n in zip(rates, remaining)) for k in range(4)}
     value = {k: tokens[k] / costs[k] for k in range(4)}
-    if len(rates) > 1:  # the batch ends with its slowest request
-        value = {k: value[k] * _tail_factor(rates, remaining, tokens[k], k) for k in range(4)}
-    together = len(remaining) > 1 and len(set(remaining)) == 1
     chosen = policy.choose(4, rates, remaining)
     best = max(value.values())
     top = max(range(4), key=lambda k: value[k])
-    margin = 0.05 if 0 in (top, current) and not together else 0.03  # a change to or from depth 0 needs more
+    margin = 0.05 if 0 in (top, current) else 0.03  # a change to or from depth 0 needs more
     if value[current] * (1 + margin) >= best:
         assert chosen == current
     else:
@@ -114,54 +111,6 @@ def test_each_bucket_holds_its_own_depth():
     assert policy.choose(1, one, [40]) == 3
     assert policy.choose(4, four, [30, 31, 32, 33]) == 0  # from depth 3, depth 1 would have been best
     assert policy.choose(1, one, [20]) == 3
-
-
-def _tail_factor(rates: list[list[float]], remaining: list[int], tokens: float, k: int) -> float:
-    """steps / (steps + tail) for depth k, worked out by brute force: each request's tokens a step
-    enumerated, the slowest of n requests' lag from a sampled maximum of n standard normals."""
-    if not k:
-        return 1.0
-    variances = []
-    for r in rates:
-        chances = [math.prod(r[:j]) * (1 - r[j]) for j in range(k)] + [math.prod(r[:k])]
-        mean = sum((j + 1) * p for j, p in enumerate(chances))
-        variances.append(sum((j + 1) ** 2 * p for j, p in enumerate(chances)) - mean**2)
-    normals = np.random.default_rng(0).standard_normal((400_000, len(rates)))
-    lag = normals.max(axis=1).mean()
-    steps = sum(remaining) / tokens
-    tail = lag * math.sqrt(steps * sum(variances) / len(variances)) / (tokens / len(rates)) + 0.5
-    return steps / (steps + tail)
-
-
-def test_drafting_pays_over_a_long_batch_not_over_its_last_tokens():
-    """A batch ends with its slowest request. Depth 1 beats depth 0 by 10% a step here (4 requests
-    at rate 0.84: 4 x 1.84 tokens for 1.672 against 4 for 1.0), but the slowest of 4 requests lags
-    the others by about 1.03 standard deviations of a request's step count, plus half a step: for 20
-    tokens each, 10.9 steps and 1.2 more bring depth 1 under depth 0; for 400 each, 217 steps and 3.5
-    more leave it 8% ahead, past both margins."""
-    policy = DepthPolicy((0, 1))
-    policy.current = 0
-    _measured(policy, 4, {0: 1.0, 1: 1.672})
-    rates = [[0.84]] * 4
-    assert policy.choose(4, rates, [20] * 4) == 0
-    assert policy.choose(4, rates, [20, 21, 22, 23]) == 0
-    for remaining in ([400] * 4, [400, 401, 402, 403]):
-        policy = DepthPolicy((0, 1))
-        policy.current = 0
-        _measured(policy, 4, {0: 1.0, 1: 1.672})
-        assert policy.choose(4, rates, remaining) == 1
-
-
-def test_requests_finishing_together_leave_a_depth_for_depth_0_at_the_ordinary_margin():
-    """Valued over the tail of their slowest request, a depth no longer needs zero_margin to give way
-    to depth 0 for requests that would finish together there: here depth 0 beats depth 1 by 2.7% (4
-    against 4.16 x 0.937 a unit for 4 requests that want 40 tokens each), over `margin` (2%) but
-    under zero_margin (5%)."""
-    for remaining, chosen in (([40] * 4, 0), ([40, 41, 42, 43], 1)):
-        policy = DepthPolicy((0, 1), margin=0.02, zero_margin=0.05)
-        policy.current = 1
-        _measured(policy, 4, {0: 1.0, 1: 1.77})
-        assert policy.choose(4, [[0.84]] * 4, remaining) == chosen
 
 
 def test_costs_follow_the_measurements():
@@ -527,8 +476,9 @@ def test_at_k_above_0_a_choice_is_worked_out_again_every_recheck_every_steps():
 
 
 def test_a_batch_holding_depth_0_works_its_choice_out_only_when_a_probe_falls_due():
-    """K=0 wins by far (a large batch): more than half the steps repeat the held choice; the rest
-    come after a request left or joined, near a request's last tokens, or with a probe due."""
-    pairs, held = _serve_both(1, 8, [0.6, 0.5, 0.4], {0: 1.0, 1: 2.0, 2: 3.0, 3: 4.0}, 400)
+    """K=0 wins by far (a large batch), by more than one timing 30% off can hide: more than half the
+    steps repeat the held choice; the rest come after a request left or joined, near a request's last
+    tokens, or with a probe due."""
+    pairs, held = _serve_both(1, 8, [0.6, 0.5, 0.4], {0: 1.0, 1: 3.0, 2: 4.0, 3: 5.0}, 400)
     assert [a for a, _ in pairs] == [b for _, b in pairs]
     assert sum(a == 0 for a, _ in pairs) > 380 and held > 200

@@ -43,10 +43,8 @@ last request runs alone at depth 3 comes back to its own depth 0 with the margin
 
 A batch of several requests finishes when its last request does, and at K > 0 its requests commit
 random numbers of tokens, so they part and the batch's last steps run for its last requests alone, on
-a smaller bucket's graphs. Each depth is valued at its expected tokens a step over its cost alone:
-valued over its slowest request's expected tail as well, at the full bucket's cost, the drafting
-depths lost to depth 0 where over whole batches K=1-3 decoded 2-8% faster than K=0, and auto held
-depth 0 for most of a run (benchmarks/README.md, "Auto without the tail valuation"). `zero_margin`
+a smaller bucket's graphs. So no depth is charged for that tail at the full bucket's cost (which held
+depth 0 where drafting paid: benchmarks/README.md, "Auto without the tail valuation"); `zero_margin`
 stands for the catch-up and the parting.
 
 A cost is only as current as the last step run at that key: a depth that lost once would never be

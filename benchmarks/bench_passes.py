@@ -302,7 +302,8 @@ def draft_step_ms(model: torch.nn.Module, full: Runtime, args: argparse.Namespac
     restricted = Runtime(
         model, mtp_depth=3, batch_sizes=(1,), max_seq_len=short_capacity(args), prefill_chunk=args.prompt_len
     )
-    inputs = verify_inputs(3, args)[:2] + (step_noise(3, 1, args.device)[0],)
+    drafted = torch.zeros(1, dtype=torch.long, device=args.device)  # every row drafts
+    inputs = verify_inputs(3, args)[:2] + (drafted, step_noise(3, 1, args.device)[0])
     ms = paired_best_ms(
         {
             name: (lambda rt=rt: rt.graphs(GraphKey(GraphKind.draft_decode, 1, 3), *inputs))

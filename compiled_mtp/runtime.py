@@ -83,6 +83,7 @@ class _Request:
     slot: int = -1
     seq_len: int = 0  # committed tokens, prompt included
     lag: int = 0  # positions M has not run over yet (depth-0 steps since it last caught up)
+    drafted: int = 0  # drafts d_1.. in the state that are current (the last step or prefill drew them)
     rates: list[float] = field(default_factory=list)  # acceptance per draft position (auto depth)
 
 
@@ -420,6 +421,7 @@ class Runtime:
             following = self._tensor(padded[start + 1 : start + c + 1])[None]
             first = self.graphs(PREFILL, tokens, following, slot, self._tensor([start]), n, noise)
         req.seq_len = len(prompt)
+        req.drafted = 1 if self.state.mtp_cache.shape[0] else 0
         self._running[req.slot] = req
         return self._commit(req, [int(first)], depth=None, accepted=0)
 
@@ -447,8 +449,9 @@ class Runtime:
             self._catch_up(plan.fill, reqs, slots, lens)
         start = time.perf_counter()
         decode_noise, verify_noise, extend_noise = self._step_noise(reqs, bucket, k, plan)
-        if plan.draft_decode:
-            self.graphs(plan.draft_decode, slots, lens, decode_noise)
+        if plan.draft_decode and any(r.drafted < k for r in reqs):
+            drafted = self._tensor([r.drafted for r in reqs] + [0] * pad)
+            self.graphs(plan.draft_decode, slots, lens, drafted, decode_noise)
         accepted, committed, hidden = self.graphs(plan.target_verify, slots, lens, verify_noise)
         if plan.draft_extend:
             self.graphs(plan.draft_extend, slots, lens, accepted, committed, hidden, extend_noise)
@@ -457,6 +460,7 @@ class Runtime:
         accepted_l, committed_l = accepted.tolist(), committed.tolist()
         for r in reqs:
             r.lag += k == 0 and window > 0
+            r.drafted = k
         outputs = [
             self._commit(r, committed_l[i][: accepted_l[i] + 1], k, accepted_l[i]) for i, r in enumerate(reqs)
         ]
@@ -479,6 +483,7 @@ class Runtime:
         self.graphs(key, *inputs)
         for r in reqs:
             r.lag = 0
+            r.drafted = int(key.uniforms > 0)  # mtp_catch_up drafts d_1, mtp_fill none
 
     def _commit(self, req: _Request, tokens: list[int], depth: int | None, accepted: int) -> StepOutput:
         """Emit committed tokens up to the first stop token and max_new_tokens; count only those.

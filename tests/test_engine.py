@@ -211,6 +211,20 @@ def test_seeded_request_is_independent_of_its_batch(noisy_echo, k):
     assert got == alone
 
 
+@pytest.mark.parametrize("k", [2, 3])
+def test_a_held_depth_drafts_in_draft_extend(noisy_echo, k):
+    """At a depth held from step to step, draft_extend drafts the next step's d_1..d_K: draft_decode
+    runs only for a request's first step after its prefill (once per request here, one at a time),
+    and the tokens stay the reference's."""
+    prompts = prompts_for(97, [5, 9, 3], seed=k)
+    rt = runtime(noisy_echo, k, buckets=(1,))
+    outs = rt.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == reference(noisy_echo, prompts, [GREEDY.max_new_tokens] * 3)
+    stats = rt.stats()
+    assert stats["graph_replays"][f"draft_decode/B1/K{k}"] == len(prompts)
+    assert stats["graph_replays"][f"draft_extend/B1/K{k}"] == stats["decode_steps"] > 2 * len(prompts)
+
+
 def test_padded_rows_never_touch_live_or_free_slots(noisy_echo):
     assert_padded_rows_write_only_scratch(noisy_echo)
 

@@ -89,12 +89,13 @@ def _step_inputs(kind, b, k, model, seed):
     if kind == "target_verify":
         return slots, seq_lens, torch.rand(b, k + 1, generator=gen)
     if kind == "draft_decode":
-        return slots, seq_lens, torch.rand(b, k - 1, generator=gen)
+        drafted = torch.randint(0, k + 1, (b,), generator=gen)
+        return slots, seq_lens, drafted, torch.rand(b, k - 1, generator=gen)
     if kind == "draft_extend":
         accepted = torch.randint(0, k + 1, (b,), generator=gen)
         committed = torch.randint(0, model.cfg.vocab_size, (b, k + 1), generator=gen)
         hidden = torch.randn(b, k + 1, model.cfg.hidden_size, generator=gen)
-        return slots, seq_lens, accepted, committed, hidden, torch.rand(b, 1, generator=gen)
+        return slots, seq_lens, accepted, committed, hidden, torch.rand(b, k, generator=gen)
     tokens = torch.randint(0, model.cfg.vocab_size, (1, 8), generator=gen)
     return (
         tokens,
@@ -154,7 +155,7 @@ def test_verify_sampling_becomes_one_fused_op(model, state, b, k):
     "kind,b,k,drafts",
     [
         ("draft_extend", 1, 1, 1),
-        ("draft_extend", 3, 2, 1),
+        ("draft_extend", 3, 2, 2),
         ("draft_decode", 2, 3, 2),
         ("draft_decode", 1, 2, 1),
     ],
@@ -280,7 +281,8 @@ def test_packed_linear_op_matches_f_linear(rows):
     "kind,b,k,rows", [("draft_extend", 2, 3, 2), ("draft_decode", 3, 2, 3), ("target_verify", 2, 2, 6)]
 )
 def test_lm_head_runs_only_on_rows_that_are_used(model, state, kind, b, k, rows, pack_every_size):
-    """One row per request in draft_extend and each draft step; all K+1 in verify."""
+    """One row per request in each draft step (K of them in draft_extend, K - 1 in draft_decode); all
+    K+1 in verify."""
     _, after = _graphs(kind, b, k, model, state, ("packed_linear",))
     vocab = model.cfg.vocab_size
     head_rows = [
@@ -288,7 +290,7 @@ def test_lm_head_runs_only_on_rows_that_are_used(model, state, kind, b, k, rows,
         for n in after.graph.nodes
         if n.target is LINEAR and n.args[1].meta["val"].shape[0] == vocab
     ]
-    assert head_rows == [rows] * (k - 1 if kind == "draft_decode" else 1)
+    assert head_rows == [rows] * {"draft_extend": k, "draft_decode": k - 1}.get(kind, 1)
 
 
 @pytest.mark.parametrize(
@@ -296,8 +298,9 @@ def test_lm_head_runs_only_on_rows_that_are_used(model, state, kind, b, k, rows,
     [("draft_extend", 1, 3, "all"), ("draft_extend", 2, 2, "some"), ("target_verify", 2, 2, "none")],
 )
 def test_narrow_linear_takes_every_linear_on_few_rows(model, state, kind, b, k, share):
-    """Linears on at most 4 rows (all of draft_extend at B=1, K=3: 4 rows through M, 1 through the LM
-    head; at B=2, K=2 only its LM head; none of a 6-row verify) become a multiply-and-sum over the
+    """Linears on at most 4 rows (all of draft_extend at B=1, K=3: 4 rows through M, then 1 through the LM
+    head and each draft step; at B=2, K=2 its LM head and draft step, not the 6 rows through M; none
+    of a 6-row verify) become a multiply-and-sum over the
     weight in place, and so do batched products of at most 16 rows on small slices (the attention's
     per-head products); the others stay."""
     before, after = _graphs(kind, b, k, model, state, ("narrow_linear",))
@@ -374,11 +377,11 @@ def test_panel_linear_takes_every_linear_on_5_to_16_rows(model, state, kind, b, 
 
 @pytest.mark.parametrize(
     "kind,b,k,layers",
-    [("target_verify", 1, 3, 1), ("draft_extend", 2, 2, 1), ("draft_decode", 2, 3, 2), ("prefill", 1, 0, 1)],
+    [("target_verify", 1, 3, 1), ("draft_extend", 2, 2, 2), ("draft_decode", 2, 3, 2), ("prefill", 1, 0, 1)],
 )
 def test_group_experts_replaces_each_moe_layers_gathered_products(model, state, kind, b, k, layers):
     """One op per MoE layer run by the graph on 2 rows or more (the tiny target has one, M's layer runs
-    once per draft step and once in draft_extend, on one row per request; prefill's one row of M stays
+    once per draft step, on one row per request, draft_extend's first included; prefill's one row of M stays
     with Inductor); each replaces the three weight gathers and their products."""
     before, after = _graphs(kind, b, k, model, state, ("group_experts",))
     assert _count(before, ROUTED_EXPERTS) == 0 and _count(after, ROUTED_EXPERTS) == layers

@@ -59,7 +59,7 @@ class GraphKey(NamedTuple):
             GraphKind.prefill: 2,  # t_n, d_1
             GraphKind.draft_decode: self.depth - 1,  # d_2..d_K
             GraphKind.target_verify: self.depth + 1,  # K accept tests, then the bonus or correction token
-            GraphKind.draft_extend: 1,  # the next d_1
+            GraphKind.draft_extend: self.depth,  # the next step's d_1..d_K
             GraphKind.mtp_catch_up: 1,  # a fresh d_1
             GraphKind.mtp_fill: 0,  # nothing is drafted
         }[self.kind]
@@ -109,11 +109,11 @@ class StepPlan:
 @functools.cache
 def step_plan(batch: int, depth: int, depths: tuple[int, ...]) -> StepPlan:
     """The plan of a decode step of `batch` (a bucket) at `depth`, on a runtime with these depths:
-    draft_decode drafts d_2..d_K (K >= 2), target_verify checks d_1..d_K, draft_extend drafts the
-    next d_1 (K >= 1). A depth-0 step is target_verify alone; on a runtime that also speculates,
-    mtp_catch_up later runs M over the positions it skipped and drafts d_1 before a step at K > 0, and
-    mtp_fill writes M's cache there when the batch stays at depth 0 (each one graph per bucket, keyed
-    K = 0)."""
+    draft_decode drafts d_2..d_K (K >= 2) where the last step drafted fewer, target_verify checks
+    d_1..d_K, draft_extend drafts the next step's d_1..d_K (K >= 1). A depth-0 step is target_verify
+    alone; on a runtime that also speculates, mtp_catch_up later runs M over the positions it skipped
+    and drafts d_1 before a step at K > 0, and mtp_fill writes M's cache there when the batch stays at
+    depth 0 (each one graph per bucket, keyed K = 0)."""
 
     def key(kind: GraphKind, runs: bool = True) -> GraphKey | None:
         return GraphKey(kind, batch, depth) if runs else None
@@ -157,4 +157,6 @@ def example_inputs(key: GraphKey, model: CausalLM, prefill_chunk: int) -> tuple[
         return slots, lens, ids(b), ids(b, LAG_WINDOW), noise
     if kind is GraphKind.mtp_fill:
         return slots, lens, ids(b), ids(b, LAG_WINDOW)
-    return slots, lens, noise  # draft_decode, target_verify
+    if kind is GraphKind.draft_decode:  # the drafts each request has
+        return slots, lens, ids(b), noise
+    return slots, lens, noise  # target_verify

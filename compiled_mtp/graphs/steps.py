@@ -30,11 +30,16 @@ def _rows(
     return cache_rows(slots, positions, state.max_seq_len, state.scratch_slot, valid)
 
 
-def _store_draft(state: StaticState, slots: Tensor, depth: int, token: Tensor, probs: Tensor) -> None:
+def _store_draft(
+    state: StaticState, slots: Tensor, depth: int, token: Tensor, probs: Tensor, keep: Tensor | None
+) -> None:
     # A depth index per row, so that the writes index the whole buffers: written through the view
     # `[:, depth]`, a compiled graph copied every slot's row at that depth, the whole vocabulary's q,
     # out and back at every draft.
     at = torch.full_like(slots, depth)
+    if keep is not None:  # those rows' drafts stay as they are
+        token = torch.where(keep, state.drafts[slots, at], token)
+        probs = torch.where(keep[:, None], state.draft_probs[slots, at], probs)
     state.drafts[slots, at] = token
     state.draft_probs[slots, at] = probs
 
@@ -68,37 +73,66 @@ def prefill(
 
 
 def _draft(
-    model: CausalLM, state: StaticState, slots: Tensor, hidden: Tensor, u: Tensor, depth: int
+    model: CausalLM,
+    state: StaticState,
+    slots: Tensor,
+    hidden: Tensor,
+    u: Tensor,
+    depth: int,
+    keep: Tensor | None = None,
 ) -> Tensor:
-    """Draft d_{depth + 1} from M's hidden, remember it with q and return it. A restricted draft vocabulary
-    samples among its tokens; q, over the whole vocabulary, is 0 elsewhere, so verification stays exact."""
+    """Draft d_{depth + 1} from M's hidden, remember it with q (but in `keep`'s rows) and return it. A
+    restricted draft vocabulary samples among its tokens; q, over the whole vocabulary, is 0 elsewhere,
+    so verification stays exact."""
     token, probs = draft_sample(model.draft_logits(hidden), *_params(state, slots), u)
     if model.draft_ids is not None:
         token = model.draft_ids[token]
         probs = probs.new_zeros(probs.shape[0], state.draft_probs.shape[-1]).index_copy(
             1, model.draft_ids, probs
         )
-    _store_draft(state, slots, depth, token, probs)
+    _store_draft(state, slots, depth, token, probs, keep)
     return token
 
 
-def _draft_from(model: CausalLM, state: StaticState, slots: Tensor, hidden: Tensor, u: Tensor) -> None:
-    """d_1 and q_1 from M's hidden at the last committed position; remembered for draft_decode."""
-    _draft(model, state, slots, hidden, u, 0)
+def _draft_from(model: CausalLM, state: StaticState, slots: Tensor, hidden: Tensor, u: Tensor) -> Tensor:
+    """d_1 and q_1 from M's hidden at the last committed position; remembered for draft_decode. Returns
+    d_1."""
     state.mtp_hidden[slots] = hidden
+    return _draft(model, state, slots, hidden, u, 0)
 
 
-def draft_decode(model: CausalLM, state: StaticState, slots: Tensor, seq_lens: Tensor, noise: Tensor) -> None:
-    """Drafts d_2..d_K (K - 1 = noise.shape[1] steps): depth j runs MTP layer j % layers at position
-    seq_len - 2 + j on d_j and M's own previous hidden."""
-    hidden, token = state.mtp_hidden[slots], state.drafts[slots, 0]
+def _draft_on(
+    model: CausalLM,
+    state: StaticState,
+    slots: Tensor,
+    seq_lens: Tensor,
+    hidden: Tensor,
+    token: Tensor,
+    noise: Tensor,
+    keep: Tensor | None = None,
+) -> None:
+    """d_2..d_K from d_1 and M's hidden that drafted it (K - 1 = noise.shape[1] steps): depth j runs MTP
+    layer j % layers at position seq_len - 2 + j on d_j and M's own previous hidden. `keep`'s rows
+    write neither drafts nor M's cache."""
     for j in range(1, noise.shape[1] + 1):
-        positions, write = _rows(state, slots, (seq_lens - 2 + j)[:, None])
+        valid = None if keep is None else ~keep[:, None]
+        positions, write = _rows(state, slots, (seq_lens - 2 + j)[:, None], valid)
         layer = j % model.num_mtp_layers
         hidden = model.forward_mtp(
             layer, token[:, None], hidden[:, None], positions, write, slots, state.mtp_cache
         )[:, 0]
-        token = _draft(model, state, slots, hidden, noise[:, j - 1], j)
+        token = _draft(model, state, slots, hidden, noise[:, j - 1], j, keep)
+
+
+def draft_decode(
+    model: CausalLM, state: StaticState, slots: Tensor, seq_lens: Tensor, drafted: Tensor, noise: Tensor
+) -> None:
+    """Drafts d_2..d_K (K - 1 = noise.shape[1]) from the d_1 and hidden in the state, for the rows whose
+    last step drafted fewer (drafted [B]: how many of d_1..d_K are current); the others keep theirs,
+    so a request's drafts do not depend on which others share its step."""
+    keep = drafted >= noise.shape[1] + 1
+    token = state.drafts[slots, 0]
+    _draft_on(model, state, slots, seq_lens, state.mtp_hidden[slots], token, noise, keep)
 
 
 def target_verify(
@@ -134,10 +168,12 @@ def draft_extend(
 ) -> None:
     """M over the verify block's K + 1 positions with T's hiddens and the committed tokens: rewrites
     M's cache there (rows past `accepted` carry filler, overwritten later) and drafts the next d_1
-    from row `accepted`. seq_lens are the lengths before the verify; noise [B, 1]."""
+    from row `accepted`, then d_2..d_K as the next step's draft_decode would: a step at the same depth
+    runs two graphs, not three. seq_lens are the lengths before the verify; noise [B, K]."""
     positions, write = _rows(state, slots, block_positions(seq_lens - 1, committed.shape[1]))
     m = model.forward_mtp(0, committed, hidden, positions, write, slots, state.mtp_cache, accepted)
-    _draft_from(model, state, slots, m, noise[:, 0])
+    token = _draft_from(model, state, slots, m, noise[:, 0])
+    _draft_on(model, state, slots, seq_lens + accepted + 1, m, token, noise[:, 1:])
 
 
 def _lag_block(

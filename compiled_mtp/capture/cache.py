@@ -13,16 +13,17 @@ one directory build each key once between them, and nobody ever reads a half-wri
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+from compiled_mtp.file_lock import exclusive
 
 FORMAT = 1
 VERSIONED = ("torch", "compiled_mtp", "source")  # fields left out of the file name (see the module docstring)
@@ -87,17 +88,9 @@ class GraphCache:
     def _meta(self, key: dict[str, Any]) -> Path:
         return self.root / f"{self.stem(key)}.json"
 
-    @contextmanager
-    def locked(self, key: dict[str, Any]) -> Iterator[None]:
+    def locked(self, key: dict[str, Any]) -> AbstractContextManager[None]:
         """Hold the key's lock: check, build and store under it."""
-        lock = self.root / "locks" / f"{self.stem(key)}.lock"
-        lock.parent.mkdir(parents=True, exist_ok=True)
-        with open(lock, "a") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
+        return exclusive(self.root / "locks" / f"{self.stem(key)}.lock")
 
     def problem(self, key: dict[str, Any]) -> str | None:
         """None when the key's package is present, intact and built for exactly `key`; else why not

@@ -14,9 +14,13 @@ import functools
 import hashlib
 import os
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+
+from compiled_mtp.file_lock import exclusive
 
 CSRC = Path(__file__).parent / "csrc"
 
@@ -43,28 +47,43 @@ def _flags() -> list[str]:
     return ["-O3", "-fopenmp", "-ffp-contract=off", *macros, *arch]
 
 
+def build_dir() -> Path:
+    """Where this source version builds: under Inductor's cache directory, named by version()."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(cache_dir()) / "compiled_mtp_ops" / f"compiled_mtp_ops_{version()}"
+
+
+@contextmanager
+def _building(build: Path) -> Iterator[None]:
+    """One builder at a time, by a lock the system drops with its holder. torch's own lock is a file
+    that a process killed mid-build leaves behind, and every later load would wait on it forever:
+    whoever holds ours removes it, since no other builder of ours can be running."""
+    with exclusive(build / "build.flock"):
+        (build / "lock").unlink(missing_ok=True)
+        yield
+
+
 @functools.cache
 def load() -> bool:
     """Build (the first time on this machine) and load the ops; False, after a warning, where they do
     not build."""
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
     from torch.utils import cpp_extension
 
     os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 1))
-    name = f"compiled_mtp_ops_{version()}"
-    build = Path(cache_dir()) / "compiled_mtp_ops" / name
+    build = build_dir()
     try:
-        build.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(
-            name=name,
-            sources=[str(p) for p in sources()],
-            extra_cflags=_flags(),
-            build_directory=str(build),
-            extra_ldflags=["-fopenmp"],
-            extra_include_paths=[str(CSRC)],
-            is_python_module=False,
-            verbose=False,
-        )
+        with _building(build):
+            cpp_extension.load(
+                name=build.name,
+                sources=[str(p) for p in sources()],
+                extra_cflags=_flags(),
+                build_directory=str(build),
+                extra_ldflags=["-fopenmp"],
+                extra_include_paths=[str(CSRC)],
+                is_python_module=False,
+                verbose=False,
+            )
     except Exception as error:
         lines = str(error).strip().splitlines() or [type(error).__name__]
         warnings.warn(

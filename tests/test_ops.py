@@ -420,14 +420,16 @@ def unbuilt(monkeypatch):
 def test_a_build_killed_midway_leaves_no_lock_that_blocks_the_next_load():
     """torch's build lock is a file, which a process killed while it built the library leaves behind:
     load() removes it under a lock of its own and returns, where torch's tooling alone waits forever."""
-    (library.build_dir() / "lock").touch()
+    build = library.build_dir()
+    build.mkdir(parents=True, exist_ok=True)
+    (build / "lock").touch()
     library.load.cache_clear()
     loaded: list[bool] = []
     thread = threading.Thread(target=lambda: loaded.append(library.load()), daemon=True)
     thread.start()
     thread.join(timeout=300)
     assert loaded == [True]
-    assert not (library.build_dir() / "lock").exists()
+    assert not (build / "lock").exists()
 
 
 def test_without_the_library_every_region_stays_as_traced(tiny_checkpoint, unbuilt, monkeypatch, caplog):

@@ -14,8 +14,6 @@ import functools
 import hashlib
 import os
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -54,16 +52,6 @@ def build_dir() -> Path:
     return Path(cache_dir()) / "compiled_mtp_ops" / f"compiled_mtp_ops_{version()}"
 
 
-@contextmanager
-def _building(build: Path) -> Iterator[None]:
-    """One builder at a time, by a lock the system drops with its holder. torch's own lock is a file
-    that a process killed mid-build leaves behind, and every later load would wait on it forever:
-    whoever holds ours removes it, since no other builder of ours can be running."""
-    with exclusive(build / "build.flock"):
-        (build / "lock").unlink(missing_ok=True)
-        yield
-
-
 @functools.cache
 def load() -> bool:
     """Build (the first time on this machine) and load the ops; False, after a warning, where they do
@@ -73,7 +61,11 @@ def load() -> bool:
     os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 1))
     build = build_dir()
     try:
-        with _building(build):
+        # torch's own build lock is a plain file, which a process killed mid-build leaves behind for
+        # every later load to wait on forever; builders take turns under a lock the system drops with
+        # its holder, so whoever holds it knows no build is running and removes torch's.
+        with exclusive(build / "build.flock"):
+            (build / "lock").unlink(missing_ok=True)
             cpp_extension.load(
                 name=build.name,
                 sources=[str(p) for p in sources()],

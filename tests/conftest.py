@@ -103,3 +103,24 @@ def tiny_hf(tiny_checkpoint: Path) -> DeepseekV3ForCausalLM:
 def echo_hf(echo_checkpoint: Path) -> DeepseekV3ForCausalLM:
     """`echo_checkpoint` loaded by `load_hf` (shared: do not modify)."""
     return load_hf(echo_checkpoint)
+
+
+# pytest-xdist hands out whole files (--dist loadfile) in collection order (--no-loadscope-reorder).
+# The files that build the most graphs go first, longest first, so that no worker is left running
+# one of them alone at the end while the other has finished.
+LONGEST_FIRST = (
+    "test_passes.py",
+    "test_capture.py",
+    "test_compiled.py",
+    "test_deepseek_v4.py",
+    "test_inductor_paths.py",
+    "test_glm.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: each file's tests keep their order

@@ -1,8 +1,8 @@
 """The capture cache: profiles, cache keys, AOTInductor artifacts that hold code only.
 
 One capture of the tiny profile (a 1-layer echo checkpoint, bucket 1, depth 2: four graphs) is made by
-two processes at once and shared by the module's tests; the recovery tests rebuild one or two graphs
-each in a copy of it.
+two processes at once and shared by the module's tests; the recovery tests damage a copy of it, and
+rebuild what a runtime's check finds.
 """
 
 from __future__ import annotations
@@ -66,9 +66,12 @@ def _finish(proc: subprocess.Popen) -> str:
     return out
 
 
-def _runtime(model_dir: Path, cache: Path | None, backend: str = "inductor") -> Runtime:
+def _runtime(model_dir: Path, cache: Path | None, backend: str = "inductor", **options) -> Runtime:
     return Runtime.from_pretrained(
-        model_dir, **load_profile(PROFILE).runtime_options(), cache_dir=cache, compile_backend=backend
+        model_dir,
+        **load_profile(PROFILE).runtime_options() | options,
+        cache_dir=cache,
+        compile_backend=backend,
     )
 
 
@@ -182,6 +185,7 @@ def test_invalid_toml_is_one_line(tmp_path):
 
 
 VERIFY_K2 = GraphKey(GraphKind.target_verify, 1, 2)
+EXTEND_K2 = GraphKey(GraphKind.draft_extend, 1, 2)
 
 
 def _key(
@@ -324,7 +328,7 @@ def test_graphs_read_bfloat16_copies_that_follow_the_weights(tmp_path):
         )
         for s in (1, 2)
     ]
-    rt = _runtime(models[0], tmp_path / "cache")
+    rt = _runtime(models[0], tmp_path / "cache", mtp_depth=1, mtp_depths=[1])  # three graphs, not four
     assert _generate(rt)[0] == _reference(rt.model)
     copied = {n for p in (tmp_path / "cache").glob("*.pt2") for n in aot._open(p).get_constant_fqns()}
     names = [bfloat16_reads.weight_of(n) for n in copied if n.startswith(bfloat16_reads.PREFIX)]
@@ -340,19 +344,21 @@ def test_graphs_read_bfloat16_copies_that_follow_the_weights(tmp_path):
         ValueError, match=r"^model\.model\.layers\.0\.self_attn\.o_proj\.weight: the graphs read"
     ):
         rt.add_request(PROMPTS[0], SamplingParams(**GREEDY))
-    assert rt.num_waiting == 0 and rt.stats()["compiles"] == 4
+    assert rt.num_waiting == 0 and rt.stats()["compiles"] == 3
 
 
-def test_corrupt_artifacts_are_reported_and_rebuilt(captured, checkpoints, tmp_path, caplog):
+def test_truncated_artifacts_are_found_corrupt_before_they_are_read(captured, checkpoints, tmp_path):
+    """A package cut short (a full disk, an interrupted copy) is told by its size, by `inspect` and by
+    the runtime's check alike; a runtime rebuilds whatever that check finds, as
+    test_damaged_artifacts_are_reported_and_rebuilt shows for each kind of fault."""
     cache = _copy(captured[0], tmp_path / "cache")
-    truncate_file(_package(cache, "draft_extend"))
-    rt = _runtime(checkpoints[0], cache)
-    with caplog.at_level(logging.WARNING, logger="compiled_mtp.capture"):
-        assert _generate(rt)[0] == _reference(rt.model)
-    assert rt.stats()["compiles"] == 1 and rt.graphs.loads == 3
-    (line,) = _cache_log(caplog)
-    assert "draft_extend/B1/K2" in line and "corrupt" in line and "rebuilding" in line and "\n" not in line
-    assert all(a.status == "valid" for a in GraphCache(cache).artifacts(environment))
+    extend = _package(cache, "draft_extend")
+    size = extend.stat().st_size
+    truncate_file(extend)
+    corrupt = f"corrupt (size {size // 2} bytes, expected {size})"
+    assert GraphCache(cache).problem(_key(checkpoints[0], key=EXTEND_K2)) == corrupt
+    status = {a.name: a.status for a in GraphCache(cache).artifacts(environment)}
+    assert status.pop("draft_extend/B1/K2") == corrupt and set(status.values()) == {"valid"}
 
 
 def _reseal(package: Path) -> None:
@@ -405,18 +411,39 @@ exec g++ "$@"
 """
 
 
+# The command line with the compiler given to Inductor alone, as CXX gives it: CXX would also rebuild
+# the engine's C++ ops with it, into the library every other test process loads.
+INDUCTOR_CXX_CLI = """
+import sys
+import torch._inductor.config
+torch._inductor.config.cpp.cxx = (None, sys.argv[1])
+from compiled_mtp.cli import main
+main(sys.argv[2:])
+"""
+
+
 def test_packages_with_their_own_libstdcxx_are_refused(captured, checkpoints, tmp_path):
     """A package whose code carries a copy of libstdc++ cannot be loaded beside torch's (std::bad_cast
     here, a segmentation fault there). The graph built by such a compiler is refused before the
     loader opens it: one line naming cache_dir and the compiler, exit status 2, and the cache keeps
     its valid packages and nothing half-written."""
     cache = _copy(captured[0], tmp_path / "cache")
-    _package(cache, "draft_extend").unlink()
+    _package(cache, "draft_decode").unlink()
     gxx = tmp_path / "g++-static-libstdc++"
     gxx.write_text(STATIC_LIBSTDCXX_GXX)
     gxx.chmod(0o755)
     done = subprocess.run(
-        [sys.executable, "-m", "compiled_mtp.cli", "generate", "--ids", "5 6 7", "--max-new-tokens", "4"]
+        [
+            sys.executable,
+            "-c",
+            INDUCTOR_CXX_CLI,
+            str(gxx),
+            "generate",
+            "--ids",
+            "5 6 7",
+            "--max-new-tokens",
+            "4",
+        ]
         + [
             "--model",
             str(checkpoints[0]),
@@ -426,7 +453,7 @@ def test_packages_with_their_own_libstdcxx_are_refused(captured, checkpoints, tm
             str(cache),
             "--no-progress",
         ],
-        env={**os.environ, "PYTHONPATH": str(ROOT), "CXX": str(gxx)},
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -454,21 +481,20 @@ def test_stale_artifacts_are_reported_and_rebuilt(captured, checkpoints, tmp_pat
         "stale (built for torch 2.0.0"
         in {a.name: a.status for a in GraphCache(cache).artifacts(environment)}["target_verify/B1/K2"]
     )
-    # Another graph at this graph's path (another config's package copied over it): never run it.
-    decode, extend = _package(cache, "draft_decode"), _package(cache, "draft_extend")
-    for suffix in (".pt2", ".json"):
-        shutil.copy(decode.with_suffix(suffix), extend.with_suffix(suffix))
     rt = _runtime(checkpoints[0], cache)
     with caplog.at_level(logging.WARNING, logger="compiled_mtp.capture"):
         assert _generate(rt)[0] == _reference(rt.model)
-    assert rt.stats()["compiles"] == 2
-    extend_line, verify_line = sorted(_cache_log(caplog))
-    assert (
-        extend_line.startswith(f"capture cache: draft_extend/B1/K2 at {extend} is stale (")
-        and "built for kind draft_decode, not draft_extend" in extend_line
-    )
+    assert rt.stats()["compiles"] == 1
+    (verify_line,) = _cache_log(caplog)
     verify = _package(cache, "target_verify")
     assert verify_line == (
         f"capture cache: target_verify/B1/K2 at {verify} is stale (built for torch 2.0.0, not {torch.__version__}); "
         "rebuilding it"
     )
+    # Another graph at this graph's path (another config's package copied over it): stale, so never
+    # run but rebuilt, as each fault the runtime's check finds is.
+    decode, extend = _package(cache, "draft_decode"), _package(cache, "draft_extend")
+    for suffix in (".pt2", ".json"):
+        shutil.copy(decode.with_suffix(suffix), extend.with_suffix(suffix))
+    problem = GraphCache(cache).problem(_key(checkpoints[0], key=EXTEND_K2))
+    assert problem.startswith("stale (") and "built for kind draft_decode, not draft_extend" in problem

@@ -411,8 +411,8 @@ exec g++ "$@"
 """
 
 
-# The command line with the compiler given to Inductor alone, as CXX gives it: CXX would also rebuild
-# the engine's C++ ops with it, into the library every other test process loads.
+# The command line with the compiler given to Inductor alone, as CXX gives it: under CXX the engine's
+# C++ ops would build again too, 20-70 s, into a library folder of that compiler's own.
 INDUCTOR_CXX_CLI = """
 import sys
 import torch._inductor.config

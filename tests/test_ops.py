@@ -432,6 +432,17 @@ def test_a_build_killed_midway_leaves_no_lock_that_blocks_the_next_load():
     assert not (build / "lock").exists()
 
 
+def test_another_compiler_builds_into_a_folder_of_its_own(monkeypatch):
+    """torch's tooling builds with `CXX`: a process run with another compiler would otherwise
+    rebuild the library in place, under every other process that loads it."""
+    monkeypatch.setenv("CXX", "c++")
+    default = library.build_dir()
+    monkeypatch.setenv("CXX", "g++-with-static-libstdc++")
+    other = library.build_dir()
+    assert other.parent == default.parent and other.name != default.name
+    assert other.name.startswith(f"compiled_mtp_ops_{library.version()}_")
+
+
 def test_without_the_library_every_region_stays_as_traced(tiny_checkpoint, unbuilt, monkeypatch, caplog):
     """No op of the library enters a graph (each region pass logs why), and greedy batches take the
     sampling ops' Python path."""

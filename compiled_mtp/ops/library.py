@@ -46,10 +46,15 @@ def _flags() -> list[str]:
 
 
 def build_dir() -> Path:
-    """Where this source version builds: under Inductor's cache directory, named by version()."""
+    """Where this source version builds with this compiler and these flags, under Inductor's cache
+    directory. A process run with another compiler (torch's tooling reads `CXX`) or vector ISA builds
+    into a folder of its own: in the same folder its build would replace the library that every
+    other process loads."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
+    from torch.utils.cpp_extension import get_cxx_compiler
 
-    return Path(cache_dir()) / "compiled_mtp_ops" / f"compiled_mtp_ops_{version()}"
+    toolchain = hashlib.sha256(" ".join([get_cxx_compiler(), *_flags()]).encode()).hexdigest()[:8]
+    return Path(cache_dir()) / "compiled_mtp_ops" / f"compiled_mtp_ops_{version()}_{toolchain}"
 
 
 @functools.cache

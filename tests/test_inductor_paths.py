@@ -1,9 +1,10 @@
 """Real Inductor graphs with every custom pass forced on (as in test_compiled.py's Inductor test) on
-the distilled checkpoint, its weights rounded to bfloat16 values as a bfloat16 checkpoint's are: every
-depth 1..3 end to end with the reference's tokens and accepted counts, padded rows of bucket 4 beside
-3 live requests, and a seeded request alone and in a full batch. The ops read the weights from
-bfloat16 panels, and bucket 4's 8-16 rows take AMX's tile products where the machine has them. One
-runtime (buckets 1 and 4) serves every test, so each graph compiles once: 12 graphs."""
+the distilled checkpoint, its weights rounded to bfloat16 values as a bfloat16 checkpoint's are:
+depths 1 and 3 end to end with the reference's tokens and accepted counts (test_compiled.py's
+Inductor test runs depth 2), padded rows of bucket 4 beside 3 live requests, and a seeded request
+alone and in a full batch. The ops read the weights from bfloat16 panels, and bucket 4's 8-16 rows
+take AMX's tile products where the machine has them. One runtime (buckets 1 and 4) serves every
+test, so each graph compiles once: 9 graphs."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def compiled(distilled_checkpoint):
         rt = Runtime(
             model,
             mtp_depth=3,
-            mtp_depths=(1, 2, 3),
+            mtp_depths=(1, 3),
             batch_sizes=(1, 4),
             max_seq_len=48,
             compile_backend="inductor",
@@ -44,7 +45,7 @@ def compiled(distilled_checkpoint):
     assert rt.stats()["recompiles"] == 0
 
 
-@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("k", [1, 3])
 def test_every_depth_equals_the_reference(compiled, k):
     model, rt = compiled
     rt.mtp_depth = k

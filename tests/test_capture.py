@@ -184,6 +184,7 @@ def test_invalid_toml_is_one_line(tmp_path):
 # ----------------------------------------------------------------------------- keys
 
 
+PREFILL = GraphKey(GraphKind.prefill, 1, 0)
 VERIFY_K2 = GraphKey(GraphKind.target_verify, 1, 2)
 EXTEND_K2 = GraphKey(GraphKind.draft_extend, 1, 2)
 
@@ -350,7 +351,7 @@ def test_graphs_read_bfloat16_copies_that_follow_the_weights(tmp_path):
 def test_truncated_artifacts_are_found_corrupt_before_they_are_read(captured, checkpoints, tmp_path):
     """A package cut short (a full disk, an interrupted copy) is told by its size, by `inspect` and by
     the runtime's check alike; a runtime rebuilds whatever that check finds, as
-    test_damaged_artifacts_are_reported_and_rebuilt shows for each kind of fault."""
+    test_stale_artifacts_are_reported_and_rebuilt shows."""
     cache = _copy(captured[0], tmp_path / "cache")
     extend = _package(cache, "draft_extend")
     size = extend.stat().st_size
@@ -370,33 +371,36 @@ def _reseal(package: Path) -> None:
 
 
 def test_damaged_artifacts_are_reported_and_rebuilt(captured, checkpoints, tmp_path, caplog):
-    """One fault per graph: each is found (before loading where the files show it), reported in one
-    line naming the package and the fault, and rebuilt in place; the output stays exact."""
-    cache = _copy(captured[0], tmp_path / "cache")
-    altered, missing, garbled, unloadable = (
-        _package(cache, kind) for kind in ("prefill", "draft_decode", "target_verify", "draft_extend")
+    """One fault per graph. Those the files show are found before loading, by the check every load
+    makes (a fault it finds takes the rebuild test_stale_artifacts_are_reported_and_rebuilt runs);
+    a package intact by its checksum that does not load is reported in one line naming it and the
+    fault, and rebuilt in place; the output stays exact."""
+    faults = _copy(captured[0], tmp_path / "faults")
+    altered, missing, garbled = (
+        _package(faults, kind) for kind in ("prefill", "target_verify", "draft_extend")
     )
     data = bytearray(altered.read_bytes())
     data[len(data) // 2] ^= 0xFF  # same size: only the checksum can tell
     altered.write_bytes(bytes(data))
     missing.unlink()
     garbled.with_suffix(".json").write_text('{"format": 1, "key": ')
+    for key, fault in [
+        (PREFILL, "corrupt (checksum mismatch)"),
+        (VERIFY_K2, "corrupt (package missing)"),
+        (EXTEND_K2, "corrupt (metadata unreadable)"),
+    ]:
+        assert GraphCache(faults).problem(_key(checkpoints[0], key=key)) == fault
+    cache = _copy(captured[0], tmp_path / "cache")
+    unloadable = _package(cache, "draft_decode")
     write_garbage(unloadable)
     _reseal(unloadable)  # its checksum is the garbage's: only loading it can tell
     rt = _runtime(checkpoints[0], cache)
     with caplog.at_level(logging.WARNING, logger="compiled_mtp.capture"):
         assert _generate(rt)[0] == _reference(rt.model)
-    assert rt.stats()["compiles"] == 4 and rt.graphs.loads == 0
-    lines = {line.split()[2]: line for line in _cache_log(caplog)}
-    assert all("\n" not in line for line in lines.values())
-    for name, package, fault in [
-        ("prefill/B1/K0", altered, "corrupt (checksum mismatch)"),
-        ("draft_decode/B1/K2", missing, "corrupt (package missing)"),
-        ("target_verify/B1/K2", garbled, "corrupt (metadata unreadable)"),
-        ("draft_extend/B1/K2", unloadable, "corrupt (cannot load: "),
-    ]:
-        assert lines.pop(name).startswith(f"capture cache: {name} at {package} is {fault}")
-    assert not lines
+    assert rt.stats()["compiles"] == 1 and rt.graphs.loads == 3
+    (line,) = _cache_log(caplog)
+    assert line.startswith(f"capture cache: draft_decode/B1/K2 at {unloadable} is corrupt (cannot load: ")
+    assert "\n" not in line
     assert all(a.status == "valid" for a in GraphCache(cache).artifacts(environment))
     again = _runtime(checkpoints[0], cache)
     assert _generate(again) == _generate(rt)
@@ -475,25 +479,25 @@ def test_packages_with_their_own_libstdcxx_are_refused(captured, checkpoints, tm
 def test_stale_artifacts_are_reported_and_rebuilt(captured, checkpoints, tmp_path, caplog):
     cache = _copy(captured[0], tmp_path / "cache")
     # Built by another torch version: the metadata says so.
-    meta = _package(cache, "target_verify").with_suffix(".json")
+    meta = _package(cache, "draft_decode").with_suffix(".json")
     meta.write_text(meta.read_text().replace(torch.__version__, "2.0.0"))
     assert (
         "stale (built for torch 2.0.0"
-        in {a.name: a.status for a in GraphCache(cache).artifacts(environment)}["target_verify/B1/K2"]
+        in {a.name: a.status for a in GraphCache(cache).artifacts(environment)}["draft_decode/B1/K2"]
     )
     rt = _runtime(checkpoints[0], cache)
     with caplog.at_level(logging.WARNING, logger="compiled_mtp.capture"):
         assert _generate(rt)[0] == _reference(rt.model)
     assert rt.stats()["compiles"] == 1
-    (verify_line,) = _cache_log(caplog)
-    verify = _package(cache, "target_verify")
-    assert verify_line == (
-        f"capture cache: target_verify/B1/K2 at {verify} is stale (built for torch 2.0.0, not {torch.__version__}); "
+    (line,) = _cache_log(caplog)
+    decode = _package(cache, "draft_decode")
+    assert line == (
+        f"capture cache: draft_decode/B1/K2 at {decode} is stale (built for torch 2.0.0, not {torch.__version__}); "
         "rebuilding it"
     )
     # Another graph at this graph's path (another config's package copied over it): stale, so never
     # run but rebuilt, as each fault the runtime's check finds is.
-    decode, extend = _package(cache, "draft_decode"), _package(cache, "draft_extend")
+    extend = _package(cache, "draft_extend")
     for suffix in (".pt2", ".json"):
         shutil.copy(decode.with_suffix(suffix), extend.with_suffix(suffix))
     problem = GraphCache(cache).problem(_key(checkpoints[0], key=EXTEND_K2))

@@ -15,7 +15,6 @@ import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -63,7 +62,7 @@ def _replace_op(monkeypatch, name, op):
 
 
 # Each step's post-grad graph before the passes, by model, state and key: lowering a step takes about
-# ten times as long as its passes, so each is lowered once and the passes run on a copy of it
+# ten times as long as its passes, so each is lowered once and every test's passes run on a copy of it
 # (test_passes_on_a_copy_give_inductors_graph checks that this is the graph Inductor's run gives).
 _LOWERED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -73,13 +72,8 @@ def _graphs(kind, b, k, model, state, passes):
     lowered = _LOWERED.setdefault(model, weakref.WeakKeyDictionary()).setdefault(state, {})
     if key not in lowered:
         inputs = example_inputs(key, model, prefill_chunk=8)
-        lowered[key], after = post_grad_graphs(key.kind, model, state, inputs, passes)
-        return _copy(lowered[key]), after
-    return _copy(lowered[key]), passes_applied(lowered[key], model, passes)
-
-
-def _copy(graph: fx.GraphModule) -> fx.GraphModule:
-    return fx.GraphModule(graph, copy.deepcopy(graph.graph))
+        lowered[key], _ = post_grad_graphs(key.kind, model, state, inputs, ())
+    return passes_applied(lowered[key], model, ()), passes_applied(lowered[key], model, passes)
 
 
 @pytest.mark.parametrize("kind, b, k", [("target_verify", 2, 3), ("draft_extend", 1, 3)])

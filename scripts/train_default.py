@@ -28,9 +28,13 @@ How
     KL(target's distribution for t_{i+2} given t_0..t_{i+1} || MTP's), which is exactly what greedy draft
     acceptance measures, at each draft depth the engine runs it (`--distill-depths`, default 3): depth j
     feeds the layer its own hidden from depth j - 1, as draft_decode does, and its KL weighs less, since
-    a deeper draft is tested only after the ones before it were accepted. Both phases keep the routers
-    balanced the DeepSeek-V3 way (no auxiliary loss: after every step each expert's
-    `e_score_correction_bias` moves by +-gamma towards the mean load).
+    a deeper draft is tested only after the ones before it were accepted. Phase 3 distills the same way
+    on the checkpoint as it ships (bf16 values), on the target's own greedy continuations of training
+    text (`--continuation-prompt` tokens of it, continued to `--continuation-len`): greedy decoding commits exactly
+    such tokens and tests the drafts on them, where training text differs from the target's own choice
+    at about two tokens in three. `--from DIR` runs phase 3 alone, on a checkpoint of phases 1 and 2.
+    Every phase keeps the routers balanced the DeepSeek-V3 way (no auxiliary loss: after every step each
+    expert's `e_score_correction_bias` moves by +-gamma towards the mean load).
     Forwards use the engine's `forward_target` / `forward_mtp` over a [B, T] block with slots = arange(B),
     a fresh zero cache per forward, positions = arange(T) and write_index = slot * T + position; autograd
     flows through the in-place MLA cache write.
@@ -41,24 +45,28 @@ How
     (`--threads`, default 2), so a rerun on the same machine, Python and thread count gives the same
     checkpoint.
 
-How long (measured: 54.6 min wall on the 2 cores of an AMD EPYC VM, Python 3.11.7)
+How long (phases 1 and 2 measured on the 2 cores of an AMD EPYC VM, phase 3 on an Intel Xeon's)
     tokenizer and data 11 s; phase 1 38.6 min (1000 steps x 8 x 256 tokens = 2.05M tokens, ~0.6 epoch,
-    ~880 tokens/s); phase 2 13.8 min (500 steps, 3 depths); save, reload and evaluation 1.9 min. The
-    run writes train_log.json next to the checkpoint (loss curves, acceptance, samples, timings).
-    The machine's speed moves: an earlier run of phase 1 took 28.3 min here.
+    ~880 tokens/s; 28.3 min in an earlier run on the same machine type); phase 2 13.8 min (500 steps, 3
+    depths); phase 3 7.5 min (1600 continuations of 32 + 128 tokens, 4.3 min; 200 steps, 3.0 min; two
+    saves and reloads); evaluation about 2 min. 62 min in all with phase 1's longer time, 52 with its
+    shorter. The run writes train_log.json next to the checkpoint (loss curves, acceptance, samples,
+    timings; `from` names the checkpoint a --from run started on).
 
 Result (train_log.json)
     Held-out target CE 3.60 nats/token (3.48 bytes/token), MTP CE 3.62; teacher-forced MTP/target argmax
-    agreement 0.79; greedy K=1 draft acceptance 0.834 on 24 held-out prefixes x 64 new tokens
-    (K=2: 1.55 accepted per step, K=3: 2.14, per position 0.85, 0.71, 0.58). The previous shipped
-    model, whose phase 2 trained one depth for 300 steps, measured K=1 0.842 and K=3 1.94 (0.86, 0.64,
-    0.44). Its phase 1 was not bit-identical to this run's (the losses differ in the fourth digit from
-    the first hundred steps), so this rerun also changed the target a little: held-out CE 3.60 against
-    3.58.
+    agreement on held-out text 0.79; greedy K=1 draft acceptance 0.866 on 24 held-out prefixes x 64 new
+    tokens (K=2: 1.64 accepted per step, K=3: 2.26, per position 0.87, 0.75, 0.64). The checkpoint of
+    phases 1 and 2 alone, shipped before phase 3 was added, measured K=1 0.834 and K=3 2.14 (0.85,
+    0.71, 0.58), and agreement 0.79: on the target's own text phase 3 moves the drafts by 3 to 6
+    points a position, where 200 more steps of phase 2 on training text moved them by -2 to +3
+    (benchmarks/README.md, "Phase 3").
 
 Run
-    python scripts/train_default.py                      # writes compiled_mtp/default_model/
-    python scripts/train_default.py --out /tmp/m --steps 50 --distill-steps 10   # a quick smoke run
+    python scripts/train_default.py                # all three phases; writes compiled_mtp/default_model/
+    python scripts/train_default.py --from DIR     # phase 3 alone, on DIR's checkpoint of phases 1 and 2
+    python scripts/train_default.py --out /tmp/m --steps 50 --distill-steps 10 --continuation-steps 10  # smoke
+    The shipped checkpoint is d3ed54c's (phases 1 and 2) taken through phase 3 by --from.
 """
 
 from __future__ import annotations
@@ -76,6 +84,8 @@ import math
 import sys
 import sysconfig
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -94,8 +104,9 @@ from compiled_mtp.models.draft_vocab import token_ranking, write_ranking  # noqa
 from compiled_mtp.reference import reference_generate  # noqa: E402
 
 EOT = "<|endoftext|>"
-# Phase 2's weight on each draft depth's KL (distill_loss).
+# Phases 2 and 3's weight on each draft depth's KL (distill_loss).
 DEPTH_WEIGHTS = (1.0, 0.8, 0.6)
+GENERATE_BATCH = 64  # prompts continued at once in phase 3 (about 1 ms a token at 16-256 here)
 # Not standard-library text: the sample prompt (tests/test_default_model.py guards acceptance on it).
 SAMPLE_PROMPT = '''import os
 
@@ -376,26 +387,21 @@ def train_joint(model, stream, held, args, log) -> None:
         p.requires_grad_(False)
 
 
-def train_distill(model, stream, held, args, log) -> None:
-    """Target frozen; the MTP layer learns the target's own distribution at each draft depth (distill_loss)."""
+def train_distill(model, windows, steps: int, lr: float, held, args, log, phase: str) -> None:
+    """Target frozen; the MTP layer learns the target's own distribution at each draft depth
+    (distill_loss), on `windows(step)` ([distill_batch, T] tokens) for `steps` steps."""
     mtp = model.model.layers[model.cfg.num_hidden_layers]
     params = list(mtp.parameters())
     for p in params:
         p.requires_grad_(True)
-    opt = adamw(params, args.distill_lr, args.weight_decay)
+    opt = adamw(params, lr, args.weight_decay)
     loads = RouterLoads(model)
-    rng = np.random.default_rng(args.seed + 1)
-    t = args.seq_len
-    n_windows = (len(stream) - 1) // t
-    order = rng.permutation(n_windows)
-    offset = int(rng.integers(0, t))
     start = time.time()
     ema = None
-    for step in range(args.distill_steps):
-        idx = order[(step * args.distill_batch + np.arange(args.distill_batch)) % n_windows]
-        x = torch.from_numpy(np.stack([stream[offset + i * t : offset + (i + 1) * t] for i in idx]))
+    for step in range(steps):
+        x = windows(step)
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, args.distill_steps, args.distill_lr, 20)
+            g["lr"] = lr_at(step, steps, lr, 20)
         loads.reset()
         with torch.no_grad():
             h = target_hidden(model, x)
@@ -407,21 +413,66 @@ def train_distill(model, stream, held, args, log) -> None:
         opt.step()
         loads.rebalance(args.bias_gamma, only=[m for m in mtp.modules() if isinstance(m, Router)])
         ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
-        if step % args.log_every == 0 or step == args.distill_steps - 1:
+        if step % args.log_every == 0 or step == steps - 1:
             el = time.time() - start
             print(
-                f"[distill {step:4d}/{args.distill_steps}] KL {loss.item():.3f} (ema {ema:.3f}) {el / 60:.1f} min",
+                f"[{phase} {step:4d}/{steps}] KL {loss.item():.3f} (ema {ema:.3f}) {el / 60:.1f} min",
                 flush=True,
             )
-            log["distill_train"].append({"step": step, "kl": float(ema), "min": el / 60})
-        if (step + 1) % args.eval_every == 0 or step == args.distill_steps - 1:
+            log[f"{phase}_train"].append({"step": step, "kl": float(ema), "min": el / 60})
+        if (step + 1) % args.eval_every == 0 or step == steps - 1:
             ev = evaluate(model, held)
-            print(f"[distill {step + 1:4d}] held-out {fmt(ev)}", flush=True)
-            log["distill_eval"].append({"step": step + 1, **ev})
-    log["distill_minutes"] = (time.time() - start) / 60
+            print(f"[{phase} {step + 1:4d}] held-out {fmt(ev)}", flush=True)
+            log[f"{phase}_eval"].append({"step": step + 1, **ev})
+    log[f"{phase}_minutes"] = (time.time() - start) / 60
     loads.remove()
     for p in params:
         p.requires_grad_(False)
+
+
+def text_windows(stream: np.ndarray, args) -> Callable[[int], torch.Tensor]:
+    """Phase 2's windows: `seq_len` tokens of training text at a random offset, in a seeded order."""
+    rng = np.random.default_rng(args.seed + 1)
+    t = args.seq_len
+    n_windows = (len(stream) - 1) // t
+    order = rng.permutation(n_windows)
+    offset = int(rng.integers(0, t))
+
+    def windows(step: int) -> torch.Tensor:
+        idx = order[(step * args.distill_batch + np.arange(args.distill_batch)) % n_windows]
+        return torch.from_numpy(np.stack([stream[offset + i * t : offset + (i + 1) * t] for i in idx]))
+
+    return windows
+
+
+def continuations(model: DeepseekV3, stream: np.ndarray, args) -> torch.Tensor:
+    """Phase 3's windows: `continuation_prompt` tokens of training text, each at a seeded random
+    place, then the target's own greedy continuation up to `continuation_len` tokens, one window a
+    step and row. Greedy decoding commits exactly these tokens, so they are what the drafts are tested on."""
+    rng = np.random.default_rng(args.seed + 2)
+    count, length = args.continuation_steps * args.distill_batch, args.continuation_prompt
+    starts = rng.integers(0, len(stream) - length, count)
+    prompts = torch.from_numpy(np.stack([stream[s : s + length] for s in starts]))
+    start = time.time()
+    total = args.continuation_len
+    out = torch.cat([greedy_continue(model, p, total) for p in prompts.split(GENERATE_BATCH)])
+    print(f"[continuation] {count} x {total} tokens in {(time.time() - start) / 60:.1f} min", flush=True)
+    return out
+
+
+@torch.no_grad()
+def greedy_continue(model: DeepseekV3, prompts: torch.Tensor, total: int) -> torch.Tensor:
+    """[B, P] prompts continued greedily by the target to [B, total] tokens."""
+    b, p = prompts.shape
+    cache = model.new_cache(model.cfg.num_hidden_layers, b, total)
+    slots = torch.arange(b)
+    out = torch.cat([prompts, prompts.new_zeros(b, total - p)], dim=1)
+    tokens, positions = prompts, torch.arange(p)[None].expand(b, p)
+    for t in range(p, total):
+        h = model.forward_target(tokens, positions, slots[:, None] * total + positions, slots, cache)
+        out[:, t] = model.logits(h[:, -1]).argmax(-1)
+        tokens, positions = out[:, t : t + 1], torch.full((b, 1), t)
+    return out
 
 
 def distill_loss(model, x: torch.Tensor, h: torch.Tensor, p_log: torch.Tensor, depths: int) -> torch.Tensor:
@@ -468,6 +519,48 @@ def measure_acceptance(model: DeepseekV3, prompts: list[list[int]], new_tokens: 
     return out
 
 
+def first_phases(args, train_stream, held, data: dict) -> tuple[dict, DeepseekV3]:
+    """A fresh model through phase 1 (joint) and phase 2 (distillation on text); the training log,
+    `data`'s counts of files and tokens in it."""
+    cfg = ModelConfig.from_dict(CONFIG)
+    model = init_model(cfg, args.seed)
+    n_params = sum(p.numel() for p in model.parameters())
+    mtp_params = sum(p.numel() for p in model.model.layers[cfg.num_hidden_layers].parameters())
+    print(f"model: {n_params / 1e6:.2f}M parameters ({mtp_params / 1e6:.2f}M in the MTP layer)", flush=True)
+    log: dict = {
+        "config": CONFIG,
+        "args": args_of(args),
+        "python": sys.version.split()[0],
+        **data,
+        "parameters": n_params,
+        "mtp_parameters": mtp_params,
+        "joint_train": [],
+        "joint_eval": [],
+        "distill_train": [],
+        "distill_eval": [],
+    }
+    train_joint(model, train_stream, held, args, log)
+    if args.distill_steps:
+        windows = text_windows(train_stream, args)
+        train_distill(model, windows, args.distill_steps, args.distill_lr, held, args, log, "distill")
+    return log, model
+
+
+def args_of(args: argparse.Namespace) -> dict:
+    return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+
+
+def save_and_reload(model: DeepseekV3, tok: Tokenizer, train_files, train_stream, out: Path) -> DeepseekV3:
+    """Write the checkpoint (bf16), its tokenizer and draft-vocabulary ranking; the model as the
+    engine loads it."""
+    out.mkdir(parents=True, exist_ok=True)
+    save_checkpoint(model, CONFIG, out, dtype=torch.bfloat16)
+    tok.save(str(out / "tokenizer.json"))
+    ranking = token_ranking((tok.encode(t).ids for _, t in train_files), CONFIG["vocab_size"])
+    write_ranking(out, ranking, f"{len(train_files)} files, {len(train_stream) - len(train_files)} tokens")
+    return load_model(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=REPO / "compiled_mtp" / "default_model")
@@ -485,6 +578,16 @@ def main() -> None:
     ap.add_argument("--distill-depths", type=int, default=3, choices=range(1, len(DEPTH_WEIGHTS) + 1))
     ap.add_argument("--distill-batch", type=int, default=8)
     ap.add_argument("--distill-lr", type=float, default=1e-3)
+    ap.add_argument("--continuation-steps", type=int, default=200)
+    ap.add_argument("--continuation-prompt", type=int, default=32)
+    ap.add_argument("--continuation-len", type=int, default=160)
+    ap.add_argument("--continuation-lr", type=float, default=5e-4)
+    ap.add_argument(
+        "--from",
+        dest="start",
+        type=Path,
+        help="a checkpoint this script wrote: skip phases 1 and 2 and run phase 3 on it",
+    )
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--eval-windows", type=int, default=32)
     ap.add_argument("--log-every", type=int, default=25)
@@ -503,7 +606,10 @@ def main() -> None:
         f"{len(files)} files, {len(train_files)} train, {len(held_files)} held out",
         flush=True,
     )
-    tok = train_tokenizer([t for _, t in train_files], CONFIG["vocab_size"])
+    if args.start is None:
+        tok = train_tokenizer([t for _, t in train_files], CONFIG["vocab_size"])
+    else:
+        tok = Tokenizer.from_file(str(args.start / "tokenizer.json"))
     train_stream = token_stream(tok, [t for _, t in train_files])
     held_stream = token_stream(tok, [t for _, t in held_files])
     train_bytes = sum(len(t.encode()) for _, t in train_files)
@@ -514,40 +620,34 @@ def main() -> None:
         flush=True,
     )
     held = windows_of(held_stream, args.seq_len + 1, args.eval_windows)
+    ship = partial(save_and_reload, tok=tok, train_files=train_files, train_stream=train_stream, out=args.out)
 
-    cfg = ModelConfig.from_dict(CONFIG)
-    model = init_model(cfg, args.seed)
-    n_params = sum(p.numel() for p in model.parameters())
-    mtp_params = sum(p.numel() for p in model.model.layers[cfg.num_hidden_layers].parameters())
-    print(f"model: {n_params / 1e6:.2f}M parameters ({mtp_params / 1e6:.2f}M in the MTP layer)", flush=True)
-    log: dict = {
-        "config": CONFIG,
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "python": sys.version.split()[0],
-        "files": {"train": len(train_files), "held_out": len(held_files)},
-        "tokens": {"train": len(train_stream), "held_out": len(held_stream)},
-        "parameters": n_params,
-        "mtp_parameters": mtp_params,
-        "joint_train": [],
-        "joint_eval": [],
-        "distill_train": [],
-        "distill_eval": [],
-    }
-    train_joint(model, train_stream, held, args, log)
-    if args.distill_steps:
-        train_distill(model, train_stream, held, args, log)
-
-    args.out.mkdir(parents=True, exist_ok=True)
-    save_checkpoint(model, CONFIG, args.out, dtype=torch.bfloat16)
-    tok.save(str(args.out / "tokenizer.json"))
-    ranking = token_ranking((tok.encode(t).ids for _, t in train_files), CONFIG["vocab_size"])
-    write_ranking(
-        args.out, ranking, f"{len(train_files)} files, {len(train_stream) - len(train_files)} tokens"
-    )
-    log["train_minutes"] = (time.time() - t0) / 60
+    if args.start is None:
+        data = {
+            "files": {"train": len(train_files), "held_out": len(held_files)},
+            "tokens": {"train": len(train_stream), "held_out": len(held_stream)},
+        }
+        log, model = first_phases(args, train_stream, held, data)
+        model = ship(model)
+        log["train_minutes"] = (time.time() - t0) / 60
+    else:
+        log = json.loads((args.start / "train_log.json").read_text())
+        log["from"] = {"dir": str(args.start), "args": log["args"], "train_minutes": log["train_minutes"]}
+        log["args"] = args_of(args)
+        model = load_model(args.start)
+    # Phase 3 runs on the checkpoint as it ships (bf16 values), so a run --from a checkpoint of phases
+    # 1 and 2 gives what one run of all three does.
+    log["continuation_train"], log["continuation_eval"] = [], []
+    phase3 = time.time()
+    if args.continuation_steps:
+        windows = continuations(model, train_stream, args).split(args.distill_batch)
+        steps, lr = args.continuation_steps, args.continuation_lr
+        train_distill(model, windows.__getitem__, steps, lr, held, args, log, "continuation")
+        model = ship(model)
+    log["train_minutes"] += (time.time() - phase3) / 60
 
     # Measure what ships: the bf16 checkpoint as the engine loads it.
-    shipped = load_model(args.out)
+    shipped = model
     log["held_out_shipped"] = evaluate(shipped, held)
     print(f"shipped checkpoint held-out {fmt(log['held_out_shipped'])}", flush=True)
     prompts = acceptance_prompts(lambda text: tok.encode(text).ids, held_files, args.accept_prompts, 64)

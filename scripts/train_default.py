@@ -30,11 +30,11 @@ How
     feeds the layer its own hidden from depth j - 1, as draft_decode does, and its KL weighs less, since
     a deeper draft is tested only after the ones before it were accepted. Phase 3 distills the same way
     on the checkpoint as it ships (bf16 values), on the target's own greedy continuations of training
-    text (`--continuation-prompt` tokens of it, continued to `--continuation-len`): greedy decoding commits exactly
-    such tokens and tests the drafts on them, where training text differs from the target's own choice
-    at about two tokens in three. `--from DIR` runs phase 3 alone, on a checkpoint of phases 1 and 2.
-    Every phase keeps the routers balanced the DeepSeek-V3 way (no auxiliary loss: after every step each
-    expert's `e_score_correction_bias` moves by +-gamma towards the mean load).
+    text (`--continuation-prompt` tokens of it, continued to `--continuation-len`): greedy decoding
+    commits exactly such tokens and tests the drafts on them, where training text differs from the
+    target's own choice at about two tokens in three. `--from DIR` runs phase 3 alone, on a checkpoint
+    of phases 1 and 2. Every phase keeps the routers balanced the DeepSeek-V3 way (no auxiliary loss:
+    after every step each expert's `e_score_correction_bias` moves by +-gamma towards the mean load).
     Forwards use the engine's `forward_target` / `forward_mtp` over a [B, T] block with slots = arange(B),
     a fresh zero cache per forward, positions = arange(T) and write_index = slot * T + position; autograd
     flows through the in-place MLA cache write.
@@ -58,7 +58,7 @@ Result (train_log.json)
     agreement on held-out text 0.79; greedy K=1 draft acceptance 0.866 on 24 held-out prefixes x 64 new
     tokens (K=2: 1.64 accepted per step, K=3: 2.26, per position 0.87, 0.75, 0.64). The checkpoint of
     phases 1 and 2 alone, shipped before phase 3 was added, measured K=1 0.834 and K=3 2.14 (0.85,
-    0.71, 0.58), and agreement 0.79: on the target's own text phase 3 moves the drafts by 3 to 6
+    0.71, 0.58), and agreement 0.79: on the target's own text phase 3 moves the drafts by 2 to 7
     points a position, where 200 more steps of phase 2 on training text moved them by -2 to +3
     (benchmarks/README.md, "Phase 3").
 
@@ -106,7 +106,7 @@ from compiled_mtp.reference import reference_generate  # noqa: E402
 EOT = "<|endoftext|>"
 # Phases 2 and 3's weight on each draft depth's KL (distill_loss).
 DEPTH_WEIGHTS = (1.0, 0.8, 0.6)
-GENERATE_BATCH = 64  # prompts continued at once in phase 3 (about 1 ms a token at 16-256 here)
+GENERATE_BATCH = 64  # prompts continued at once in phase 3 (about 1 ms a token at 64-256 here)
 # Not standard-library text: the sample prompt (tests/test_default_model.py guards acceptance on it).
 SAMPLE_PROMPT = '''import os
 
@@ -448,7 +448,7 @@ def text_windows(stream: np.ndarray, args) -> Callable[[int], torch.Tensor]:
 def continuations(model: DeepseekV3, stream: np.ndarray, args) -> torch.Tensor:
     """Phase 3's windows: `continuation_prompt` tokens of training text, each at a seeded random
     place, then the target's own greedy continuation up to `continuation_len` tokens, one window a
-    step and row. Greedy decoding commits exactly these tokens, so they are what the drafts are tested on."""
+    step and row: greedy decoding tests the drafts on exactly such tokens."""
     rng = np.random.default_rng(args.seed + 2)
     count, length = args.continuation_steps * args.distill_batch, args.continuation_prompt
     starts = rng.integers(0, len(stream) - length, count)

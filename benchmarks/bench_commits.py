@@ -28,30 +28,26 @@ from typing import Any
 from compiled_mtp.depth_policy import depth_arg
 
 # Run inside the child process, against the commit's own package: only API every commit since the
-# capture cache and held-out prompts (November 2026) has.
+# capture cache and held-out prompts (November 2026) has. The decode loop is this checkout's
+# (bench_checkpoints.py, on the path after the commit's package), the same for every commit.
 CHILD = """
-import json, sys, time
-from compiled_mtp import DEFAULT_MODEL, Runtime, SamplingParams
+import json, sys
+from compiled_mtp import DEFAULT_MODEL, Runtime
 from compiled_mtp.bench import bench_prompts
 depth, cache, prompts, vocab = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]) or None
 batch, per_token = int(sys.argv[5]), sys.argv[6] == "1"
+sys.path.append(sys.argv[7])
+from bench_checkpoints import PARAMS, decode
 depth = depth if depth == "auto" else int(depth)
 rt = Runtime.from_pretrained(
     DEFAULT_MODEL, mtp_depth=depth, batch_sizes=(batch,), max_seq_len=256, cache_dir=cache, draft_vocab=vocab
 )
-params = SamplingParams(max_new_tokens=64, ignore_eos=True)
 prompts = bench_prompts(DEFAULT_MODEL, 0, prompts, 64).token_ids
-rt.generate(prompts[:batch], params)
+rt.generate(prompts[:batch], PARAMS)
 step_ms = []
 for first in range(0, len(prompts), batch):
-    for prompt in prompts[first : first + batch]:
-        rt.add_request(prompt, params)
-    rt.step()  # the prefills
-    steps, tokens, start = 0, 0, time.perf_counter()
-    while rt.has_unfinished():
-        tokens += sum(len(o.new_token_ids) for o in rt.step())
-        steps += 1
-    step_ms.append(1e3 * (time.perf_counter() - start) / (tokens if per_token else steps))
+    seconds, tokens, steps = decode(rt, prompts[first : first + batch])
+    step_ms.append(1e3 * seconds / (tokens if per_token else steps))
 print(json.dumps(step_ms))
 """
 
@@ -87,6 +83,7 @@ def run(tree: Path, args: argparse.Namespace) -> list[float]:
         str(args.draft_vocab),
         str(args.batch),
         str(int(args.per_token)),
+        str(Path(__file__).resolve().parent),
     ]
     return run_child(tree, CHILD, argv)
 

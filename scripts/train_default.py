@@ -546,6 +546,17 @@ def first_phases(args, train_stream, held, data: dict) -> tuple[dict, DeepseekV3
     return log, model
 
 
+def start_problem(directory: Path) -> str | None:
+    """Why phase 3 cannot start from `directory` alone, or None: it needs a checkpoint this script
+    wrote after phases 1 and 2, and running phase 3 twice is not the recipe."""
+    log = directory / "train_log.json"
+    if not log.is_file():
+        return "has no train_log.json: give a checkpoint this script wrote"
+    if json.loads(log.read_text()).get("continuation_train"):
+        return "has been through phase 3 already: give a checkpoint of phases 1 and 2"
+    return None
+
+
 def args_of(args: argparse.Namespace) -> dict:
     return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
 
@@ -595,6 +606,9 @@ def main() -> None:
     ap.add_argument("--accept-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
+    problem = args.start and start_problem(args.start)
+    if problem:
+        raise SystemExit(f"error: --from: {args.start} {problem}")
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

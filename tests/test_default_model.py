@@ -38,8 +38,8 @@ PROMPT = LOG["samples"][0]["prompt"]
 # re-initialised, or eh_proj's concat order swapped, both numbers fall below 0.05.
 MEASURED_ON_PROMPT = 0.853  # K=1 greedy acceptance over 64 new tokens after PROMPT
 MIN_ACCEPTANCE = 0.42
-MEASURED_AGREEMENT = 0.874  # teacher-forced MTP/target argmax agreement on PROMPT itself
-MIN_AGREEMENT = 0.43
+MEASURED_AGREEMENT = 0.893  # teacher-forced MTP/target argmax agreement on PROMPT itself
+MIN_AGREEMENT = 0.44
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -610,6 +610,8 @@ def main() -> None:
     ap.add_argument("--accept-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
+    if args.continuation_steps and args.continuation_prompts < 1:
+        ap.error(f"--continuation-prompts must be at least 1 (got {args.continuation_prompts})")
     problem = args.start and start_problem(args.start)
     if problem:
         raise SystemExit(f"error: --from: {args.start} {problem}")

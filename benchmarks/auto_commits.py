@@ -3,14 +3,15 @@
 Each REV's `compiled_mtp/depth_policy.py` (host code on the step times and acceptance the runtime
 reports; it imports nothing of the package) is loaded as a module of its own and put into a runtime at
 "auto", beside the bench's systems of this checkout (benchmarks/auto_trace.py): one runtime per depth
-0..3 and one at "auto" with this checkout's policy, all sharing one set of graphs. Each is warmed up at
-B=1 and at B, then `--rounds` rounds run them in turns at each batch (as the bench), each round the
-first `--timed-prompts` held-out prompts, B at a time, 64 new tokens each. Printed: each system's
-decode tok/s over all rounds, its ratio to the best fixed depth's over all rounds, the same ratio
-round by round (median, range) and auto's steps per depth. In one process, since two processes'
-step times differ by up to 30% here at the same schedule.
+of `--depths` (default 0..3) and one at "auto" over them with this checkout's policy, all sharing one
+set of graphs. Each is warmed up at B=1 and at B, then `--rounds` rounds run them in turns at each
+batch (as the bench), each round the first `--timed-prompts` held-out prompts, B at a time, 64 new
+tokens each. Printed: each system's decode tok/s over all rounds, its ratio to the best fixed depth's
+over all rounds, the same ratio round by round (median, range) and auto's steps per depth. In one
+process, since two processes' step times differ by up to 30% here at the same schedule.
 
     python benchmarks/auto_commits.py 392d5b5~1 [--batch 4] [--rounds 20] [--timed-prompts 8] [--cache-dir DIR]
+        [--depths 0 1 2 3]
 """
 
 from __future__ import annotations
@@ -60,8 +61,15 @@ def main() -> None:
         "--timed-prompts", type=int, default=8, help="prompts a round generates, B at a time (default: 8)"
     )
     parser.add_argument("--cache-dir", default=None, help="capture cache (default: the user's)")
+    parser.add_argument(
+        "--depths",
+        type=int,
+        nargs="+",
+        default=[0, 1, 2, 3],
+        help="fixed depths, and auto's (default: 0 1 2 3)",
+    )
     args = parser.parse_args()
-    systems = BenchSystems(args.batch, args.timed_prompts, args.cache_dir)
+    systems = BenchSystems(args.batch, args.timed_prompts, args.cache_dir, args.depths)
     runtimes = {**systems.runtimes(), **autos_at(systems, args.revs)}
     groups, params = systems.groups, systems.params
     for rt in runtimes.values():

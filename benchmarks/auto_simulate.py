@@ -7,8 +7,9 @@
 
 Each (B, K) step costs the iteration time `compiled-mtp bench` measured (benchmarks/bench-cpu.json, host
 time included), or the step time of a bench_preset.py JSON (`--bench preset-cuda-depths.json`); each
-draft position is accepted at the shipped model's held-out rate at K=3 (train_log.json, conditional on
-the position before), seeded. For each B, B requests of `--tokens` tokens run at every fixed depth and
+draft position is accepted at the held-out rate the bench measured at its deepest depth (the shipped
+model's at K=3 from train_log.json for a JSON without acceptance), conditional on the position before,
+seeded. For each B, B requests of `--tokens` tokens run at every fixed depth and
 under DepthPolicy with each `--setting` (the defaults first) and each `--rev`'s DepthPolicy, the policy
 having served as many untimed first (a runtime's warm-up; with `--warm-up N`, the first N batches of
 them only: the bench's runtimes warm up on a round, 8 batches at B=1 and 2 at B=4; before run 32, on
@@ -59,6 +60,16 @@ def step_costs(path: Path) -> dict[int, dict[int, float]]:
     return costs
 
 
+def bench_rates(path: Path) -> list[float]:
+    """Acceptance per draft position, given the one before was accepted, at the deepest depth the bench
+    measured; the shipped model's K=3 rates where it measured none."""
+    measured = json.loads(path.read_text()).get("acceptance") or []
+    if not measured:
+        return shipped_rates()
+    reach = max(measured, key=lambda a: a["k"])["per_position"]
+    return [r / prev for r, prev in zip(reach, [1.0, *reach])]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bench", type=Path, default=ROOT / "benchmarks" / "bench-cpu.json")
@@ -78,9 +89,17 @@ def main() -> None:
     )
     parser.add_argument("--trace", type=Path, help="replay the acceptance of acceptance_trace.py's JSON")
     args = parser.parse_args()
-    trace = json.loads(args.trace.read_text())["accepted"] if args.trace else None
     costs = step_costs(args.bench)
-    rates = shipped_rates()
+    trace = None
+    if args.trace:
+        traced = json.loads(args.trace.read_text())
+        deepest = max(k for by_depth in costs.values() for k in by_depth)
+        if traced.get("depth", 3) < deepest:  # a trace of K=D steps tells nothing of the drafts past D
+            parser.error(
+                f"--trace: its steps ran at K={traced.get('depth', 3)}, the bench's reach K={deepest}"
+            )
+        trace = traced["accepted"]
+    rates = bench_rates(args.bench)
     policies: list[tuple[str, type[DepthPolicy], dict[str, float]]] = [("as shipped", DepthPolicy, {})]
     policies += [(f"{name}={value:g}", DepthPolicy, {name: value}) for name, value in args.setting]
     policies += [(f"at {rev}", policy_at(rev), {}) for rev in args.rev]

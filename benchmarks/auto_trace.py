@@ -11,6 +11,7 @@ generations' times. With `--switch HELD PROBE`, auto's runtime then runs a fixed
 and its step times are summed up by their place after a change of depth.
 
     python benchmarks/auto_trace.py [--batch 4] [--rounds 3] [--timed-prompts 8] [--cache-dir DIR] [--switch 3 1]
+        [--depths 0 1 2 3]
 """
 
 from __future__ import annotations
@@ -32,19 +33,18 @@ from compiled_mtp.runtime import DTYPES, Runtime, SamplingParams
 
 
 class BenchSystems:
-    """The bench's systems on the shipped model at B = 1 and `batch`: one runtime per depth 0..3 and
-    one at "auto" over them, drafting among the 1024 most frequent tokens, with the bench's prompts."""
+    """The bench's systems on the shipped model at B = 1 and `batch`: one runtime per depth of `depths`
+    and one at "auto" over them, drafting among the 1024 most frequent tokens, with the bench's prompts."""
 
-    def __init__(self, batch: int, count: int, cache_dir: str | None) -> None:
+    def __init__(
+        self, batch: int, count: int, cache_dir: str | None, depths: Sequence[int] = (0, 1, 2, 3)
+    ) -> None:
         parser = argparse.ArgumentParser()
         add_arguments(parser)
         self.args = parser.parse_args(
             [
                 "--depths",
-                "0",
-                "1",
-                "2",
-                "3",
+                *map(str, depths),
                 "--batch-sizes",
                 *map(str, sorted({1, batch})),
                 "--new-tokens",
@@ -155,8 +155,15 @@ def main() -> None:
         metavar=("HELD", "PROBE"),
         help="then time steps after a change of depth: 14 at HELD, 2 at PROBE, repeated",
     )
+    parser.add_argument(
+        "--depths",
+        type=int,
+        nargs="+",
+        default=[0, 1, 2, 3],
+        help="fixed depths, and auto's (default: 0 1 2 3)",
+    )
     args = parser.parse_args()
-    systems = BenchSystems(args.batch, args.timed_prompts, args.cache_dir)
+    systems = BenchSystems(args.batch, args.timed_prompts, args.cache_dir, args.depths)
     runtimes, groups, params = systems.runtimes(), systems.groups, systems.params
     lines: list[str] = []
     traced(runtimes["auto"]._policy, args.batch, lines)

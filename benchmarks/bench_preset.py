@@ -161,8 +161,9 @@ def simulate(
     scaled by the machine's speed, which wanders (a log-normal walk of `drift` a millisecond, drawn
     from the seed alone, so every system meets the same machine). The policy first serves the first
     `warm_up` batches of the same requests untimed, as a runtime does before a timed run (the bench
-    warms up on a round of them). With `trace` (for each request, the drafts a K=3 step accepts with g tokens
-    generated, at g = 1.., from benchmarks/acceptance_trace.py), every request of the trace is served
+    warms up on a round of them). With `trace` (for each request, the drafts a step at the trace's depth,
+    at least the deepest of `costs`, accepts with g tokens generated, at g = 1.., from
+    benchmarks/acceptance_trace.py), every request of the trace is served
     instead, B at a time in a seeded order, accepting what its text accepts; `tokens` and `rates` are
     then unused. A step at another depth than the step before costs `switch` more (0.05: 5%), as the
     first step of other graphs does on a real machine."""

@@ -48,13 +48,16 @@ depth 0 where drafting paid: benchmarks/README.md, "Auto without the tail valuat
 stands for the catch-up and the parting.
 
 A cost is only as current as the last step run at that key: a depth that lost once would never be
-measured again. So every depth not run for `probe_every` steps of a bucket runs a probe; every depth
-within `close` of the current one's value runs every `close_probe_every` steps: a near tie is what one
-noisy measurement decides wrongly, and a probe of a depth worth nearly as much costs nearly nothing. So
-does a depth whose last timing alone would beat the current one, however far behind its median puts it:
-two more timings outvote the older ones. Across depth 0 such a probe runs a catch-up, so there the
-last timing must beat the current depth by the margin a change needs: where depths nearly tie with
-K=0 a step (B=4 here), one fast timing each would have them probed every 16 steps, a catch-up each.
+measured again. So every depth not run for `probe_every` steps of a bucket runs a probe; the depths
+within `close` of the current one's value take turns, one every `close_probe_every` steps (each every
+close_probe_every times their number): a near tie is what one noisy measurement decides wrongly, and a
+probe of a depth worth nearly as much costs little, though not nothing, since a step after a change of
+depth runs slower. Probed every close_probe_every steps each, the three near ties of depths 0-6 at B=1
+took 6 of every 22 steps. So does a depth whose last timing alone would beat the current one, however
+far behind its median puts it: two more timings outvote the older ones. Across depth 0 such a probe
+runs a catch-up, so there the last timing must beat the current depth by the margin a change needs:
+where depths nearly tie with K=0 a step (B=4 here), one fast timing each would have them probed every
+16 steps, a catch-up each.
 Of the depths due, the most valuable runs first.
 
 A probe of a depth far behind costs more: its steps take longer than the current depth would for the
@@ -66,9 +69,8 @@ by far (a large batch), three probes of deeper steps every 64 cost several perce
 ties with K=0, a catch-up every 16 steps costs about as much. A probe from depth 0 of a batch of
 several requests costs its whole time beyond a depth-0 step: the batch ends with its slowest request,
 which the probe's step moves on by one token, as a depth-0 step would, unless every request has a
-draft accepted; the other requests' extra tokens end no step sooner. There the deeper depths' probes
-share one probe_share between them, so that holding depth 0 costs the same whatever the depths
-captured.
+draft accepted; the other requests' extra tokens end no step sooner. The other depths' probes share
+one probe_share between them, so that holding a depth costs the same whatever the depths captured.
 
 Working a choice out takes tens of microseconds of Python at a large batch, about 2% of its step.
 A batch holding depth 0 moves none of the choice's inputs (its steps test no draft and, steady, time
@@ -300,7 +302,10 @@ class DepthPolicy:
             self.current = best
         self._held_by[bucket] = self.current
         self._steps[bucket] += 1
-        due = {k: self._due_after(bucket, k, value, remaining) for k in self.depths if k != self.current}
+        near = self._near(value)
+        due = {
+            k: self._due_after(bucket, k, value, remaining, near) for k in self.depths if k != self.current
+        }
         probes = [k for k, after in due.items() if self._steps[bucket] > after]
         # A request that wants this many tokens or more counts its expected tokens uncapped.
         uncapped = (self.depths[-1] + 1) * max(self.calibration().values())
@@ -329,15 +334,27 @@ class DepthPolicy:
         """How much better depth k's value must be than the current depth's to replace it."""
         return self.zero_margin if 0 in (k, self.current) else self.margin
 
-    def _due_after(self, bucket: int, k: int, value: dict[int, float], remaining: Sequence[int]) -> float:
+    def _near(self, value: dict[int, float]) -> list[int]:
+        """The depths within `close` of the current one's value, on its side of depth 0 (a probe across
+        depth 0 runs a catch-up: it costs more than a near tie's step)."""
+        current = value[self.current]
+        return [
+            k
+            for k in self.depths
+            if k != self.current and value[k] * (1 + self.close) >= current and 0 not in (k, self.current)
+        ]
+
+    def _due_after(
+        self, bucket: int, k: int, value: dict[int, float], remaining: Sequence[int], near: list[int]
+    ) -> float:
         """The bucket's step after which a probe of depth k is due (at the shortest wait when that
-        has not passed yet, without working out which wait applies)."""
+        has not passed yet, without working out which wait applies). The `near` depths take turns:
+        each is probed every close_probe_every steps times their number."""
         measured = self._measured_at[bucket, k]
         if self._steps[bucket] - measured <= self._soonest:
             return measured + self._soonest
-        # A probe to or from depth 0 runs a catch-up: it costs more than a near tie's step
-        near = value[k] * (1 + self.close) >= value[self.current] and 0 not in (k, self.current)
-        every = self.close_probe_every if near else self._far_every(bucket, k, value, remaining)
+        near_every = self.close_probe_every * len(near)
+        every = near_every if k in near else self._far_every(bucket, k, value, remaining)
         last = value[k] * self._cost[bucket, k] / self._samples[bucket, k][-1]  # valued at its last timing
         # Across depth 0 a probe runs a catch-up: worth it where its last timing would change the
         # depth, not merely beat the current one.
@@ -353,13 +370,12 @@ class DepthPolicy:
         after the probe, runs) at most probe_share of the steps' time between, in
         probe_every..probe_most. A batch of several requests ends with its slowest one, so a probe from
         depth 0 shortens it by a step only if every request has a draft accepted; its loss is counted as
-        its whole cost beyond depth-0 steps, and the deeper depths share one probe_share."""
+        its whole cost beyond depth-0 steps. The other depths share one probe_share."""
         current = self.current
         loss = self.probe_steps * self._cost[bucket, k] * max(0.0, 1 - value[k] / value[current])
-        share = self.probe_share
+        share = self.probe_share / (len(self.depths) - 1)  # the other depths' probes share one budget
         if current == 0 and len(remaining) > 1:
             loss = max(loss, self.probe_steps * (self._cost[bucket, k] - self._cost[bucket, 0]))
-            share /= len(self.depths) - 1  # the deeper depths' probes share one budget
         if 0 in (k, current):
             loss += self._catch_up.get(bucket, 0.0)
         steps = loss / (share * self._cost[bucket, current])

@@ -160,6 +160,21 @@ def test_a_slower_machine_changes_no_choice():
     assert probes == [s + i for s in range(8, 60, 10) for i in (0, 1)]  # probes of two steps only
 
 
+def test_near_depths_take_turns_at_one_close_probe_cadence():
+    """Depths 1, 2 and 4 are each within 5% of depth 3's value (1.9 tokens for 0.64, 2.62 for 0.883,
+    3.42 for 1.154, against 3.12 for 1.0). Probed every close_probe_every = 8 steps each, they would
+    run a probe every third step; as near depths they share that cadence, each probed every 3 x 8
+    steps, most valuable first, two steps a probe: the probes of a 26-step cycle are 6 of its steps."""
+    costs = {1: 0.64, 2: 0.883, 3: 1.0, 4: 1.154}
+    policy = DepthPolicy((1, 2, 3, 4), close_probe_every=8)
+    policy.current = 3
+    _measured(policy, 1, costs)
+    chosen = _served(policy, 1, [[0.9, 0.8, 0.7, 0.6]], 120, lambda step, k: costs[k])
+    cycle = [4, 4, 1, 1, 2, 2]
+    probes = [(step, k) for step, k in enumerate(chosen) if k != 3]
+    assert probes == [(start + i, k) for start in (24, 50, 76, 102) for i, k in enumerate(cycle)]
+
+
 def test_each_depth_is_valued_at_its_own_steps_acceptance():
     """Steps at depth 3 accept their first draft more often (0.9) than steps at depth 1 (0.7):
     each depth's steps start at different places in the text. Pooled rates would value depth 1
@@ -270,19 +285,20 @@ def test_the_pooled_counts_sum_every_depths_counts(steps):
 def test_a_far_depth_is_probed_as_often_as_its_loss_allows():
     """K=0 wins by far, as at a large batch: a step of depth 3 takes 4.0 for 2.05 tokens, which take
     2.05 at depth 0 (a loss of 1.95), a probe runs two such steps, and leaving depth 0 runs a catch-up
-    of 1.2 first. At 1% of the steps' time per probe, depth 3 would wait 510 steps, capped at
+    of 1.2 first. At probe_share 2%, which the two other depths share, 1% of the steps' time a probe:
+    depth 3 would wait 510 steps, capped at
     probe_most = 200; depth 1, losing 2 x 0.2 + 1.2, waits 160 (159.99..., the floats' rounding);
     without the catch-up, probe_every = 64."""
     rates = [[0.6, 0.5, 0.5]]  # 1.6 tokens at depth 1, 2.05 at depth 3
     true_cost = {0: 1.0, 1: 1.8, 3: 4.0}
-    policy = DepthPolicy((0, 1, 3), probe_share=0.01, probe_most=200, close=0.0)
+    policy = DepthPolicy((0, 1, 3), probe_share=0.02, probe_most=200, close=0.0)
     _measured(policy, 8, true_cost)
     for seconds in (5.0, 5.0, 1.2):  # the first two calls are never counted
         policy.record_catch_up(8, seconds)
     chosen = _served(policy, 8, rates, 420, lambda step, k: true_cost[k])
     probes = {k: [step for step, c in enumerate(chosen) if c == k] for k in (1, 3)}
     assert probes[1] == [159, 160, 321, 322] and probes[3] == [200, 201, 402, 403]
-    policy = DepthPolicy((0, 1, 3), probe_share=0.01, probe_most=200, close=0.0)
+    policy = DepthPolicy((0, 1, 3), probe_share=0.02, probe_most=200, close=0.0)
     _measured(policy, 8, true_cost)
     chosen = _served(policy, 8, rates, 140, lambda step, k: true_cost[k])
     assert [step for step, c in enumerate(chosen) if c == 1] == [64, 65, 130, 131]
@@ -326,15 +342,16 @@ def test_a_near_tie_across_depth_0_is_probed_as_its_catch_up_allows(rates, curre
 
 @pytest.mark.parametrize(
     ("remaining", "depth", "spacing"),
-    [([100], 1, 120), ([100], 3, 850), ([100, 99], 1, 640), ([100, 99], 3, 2400), ([100, 100], 3, 2400)],
+    [([100], 1, 240), ([100], 3, 1700), ([100, 99], 1, 640), ([100, 99], 3, 2400), ([100, 100], 3, 2400)],
 )
 def test_a_probe_from_depth_0_of_a_batch_counts_its_whole_extra_cost(remaining, depth, spacing):
     """Depths 1 and 3 are behind depth 0 (1.5 tokens for 1.8 and 1.875 for 4.0, against 1 for 1.0).
-    A probe runs two steps. A lone request's probe of depth 3 loses 2 x 4.0 x (1 - 0.469) = 4.25, so
-    at probe_share 0.005 it runs every 850 steps; depth 1's loses 2 x 0.3, 120 steps. A batch of
-    several requests ends with its slowest one, which a probe's step moves on by one token unless
-    every request has a draft accepted: its loss is its whole cost beyond depth-0 steps, 2 x 0.8 and
-    2 x 3.0, and the two deeper depths' probes share one budget, 0.0025 each: 640 and 2400 steps."""
+    A probe runs two steps, and the two deeper depths' probes share one budget, probe_share 0.005:
+    0.0025 each. A lone request's probe of depth 3 loses 2 x 4.0 x (1 - 0.469) = 4.25, so it runs
+    every 1700 steps; depth 1's loses 2 x 0.3, 240 steps. A batch of several requests ends with its
+    slowest one, which a probe's step moves on by one token unless every request has a draft
+    accepted: its loss is its whole cost beyond depth-0 steps, 2 x 0.8 and 2 x 3.0: 640 and 2400
+    steps."""
     costs = {0: 1.0, 1: 1.8, 3: 4.0}
     policy = DepthPolicy((0, 1, 3), probe_share=0.005, probe_every=64, probe_most=4096)
     policy.current = 0

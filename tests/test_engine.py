@@ -586,7 +586,7 @@ def test_a_step_accepts_what_its_text_accepts_at_any_depth(noisy_echo):
     """Greedy drafts depend only on the text before them, and a prefill leaves M where decoding
     does: a step at depth K taken with g tokens generated accepts min(K, a[g]) drafts, where a[g] is
     what one K=3 step accepts right after prefilling the same text. benchmarks/acceptance_trace.py
-    replays any depth schedule from that."""
+    replays any schedule of depths up to its steps' from that."""
     prompt, new = prompts_for(97, [6], seed=3)[0], 20
     greedy = SamplingParams(max_new_tokens=new, ignore_eos=True)
     text = runtime(noisy_echo, 3, buckets=(1,)).generate([prompt], greedy)[0].token_ids

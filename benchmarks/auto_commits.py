@@ -22,7 +22,7 @@ import subprocess
 import types
 from pathlib import Path
 
-from auto_trace import BenchSystems, warm_up
+from auto_trace import BenchSystems, add_system_arguments, warm_up
 
 from compiled_mtp.bench import timed_generate, turns
 from compiled_mtp.depth_policy import DepthPolicy
@@ -55,19 +55,7 @@ def autos_at(systems: BenchSystems, revs: list[str]) -> dict[str, Runtime]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("revs", nargs="*", help="commits whose policy runs beside this checkout's")
-    parser.add_argument("--batch", type=int, default=4, help="prompts generated at once (default: 4)")
-    parser.add_argument("--rounds", type=int, default=20, help="timed rounds in turns (default: 20)")
-    parser.add_argument(
-        "--timed-prompts", type=int, default=8, help="prompts a round generates, B at a time (default: 8)"
-    )
-    parser.add_argument("--cache-dir", default=None, help="capture cache (default: the user's)")
-    parser.add_argument(
-        "--depths",
-        type=int,
-        nargs="+",
-        default=[0, 1, 2, 3],
-        help="fixed depths, and auto's (default: 0 1 2 3)",
-    )
+    add_system_arguments(parser, rounds=20)
     args = parser.parse_args()
     systems = BenchSystems(args.batch, args.timed_prompts, args.cache_dir, args.depths)
     runtimes = {**systems.runtimes(), **autos_at(systems, args.revs)}

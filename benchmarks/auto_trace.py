@@ -140,27 +140,35 @@ def switch_costs(
         print(f"  K={depth} {place:<6} {statistics.median(times):7.3f}  ({len(times)} steps)")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_system_arguments(parser: argparse.ArgumentParser, rounds: int) -> None:
+    """The options of the scripts that run BenchSystems in turns: --batch, --rounds (default `rounds`),
+    --timed-prompts, --cache-dir and --depths."""
     parser.add_argument("--batch", type=int, default=4, help="prompts generated at once (default: 4)")
-    parser.add_argument("--rounds", type=int, default=3, help="timed rounds in turns (default: 3)")
+    parser.add_argument(
+        "--rounds", type=int, default=rounds, help=f"timed rounds in turns (default: {rounds})"
+    )
     parser.add_argument(
         "--timed-prompts", type=int, default=8, help="prompts a round generates, B at a time (default: 8)"
     )
     parser.add_argument("--cache-dir", default=None, help="capture cache (default: the user's)")
-    parser.add_argument(
-        "--switch",
-        type=int,
-        nargs=2,
-        metavar=("HELD", "PROBE"),
-        help="then time steps after a change of depth: 14 at HELD, 2 at PROBE, repeated",
-    )
     parser.add_argument(
         "--depths",
         type=int,
         nargs="+",
         default=[0, 1, 2, 3],
         help="fixed depths, and auto's (default: 0 1 2 3)",
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_system_arguments(parser, rounds=3)
+    parser.add_argument(
+        "--switch",
+        type=int,
+        nargs=2,
+        metavar=("HELD", "PROBE"),
+        help="then time steps after a change of depth: 14 at HELD, 2 at PROBE, repeated",
     )
     args = parser.parse_args()
     systems = BenchSystems(args.batch, args.timed_prompts, args.cache_dir, args.depths)

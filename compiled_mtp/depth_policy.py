@@ -52,12 +52,12 @@ measured again. So every depth not run for `probe_every` steps of a bucket runs 
 within `close` of the current one's value take turns, one every `close_probe_every` steps (each every
 close_probe_every times their number): a near tie is what one noisy measurement decides wrongly, and a
 probe of a depth worth nearly as much costs little, though not nothing, since a step after a change of
-depth runs slower. Probed every close_probe_every steps each, the three near ties of depths 0-6 at B=1
-took 6 of every 22 steps. So does a depth whose last timing alone would beat the current one, however
-far behind its median puts it: two more timings outvote the older ones. Across depth 0 such a probe
-runs a catch-up, so there the last timing must beat the current depth by the margin a change needs:
-where depths nearly tie with K=0 a step (B=4 here), one fast timing each would have them probed every
-16 steps, a catch-up each.
+depth runs slower. Probed every close_probe_every steps each, the three or four near ties of depths
+0-6 at B=1 took 6-8 of every 22-24 steps. So does a depth whose last timing alone would beat the
+current one, however far behind its median puts it: two more timings outvote the older ones. Across
+depth 0 such a probe runs a catch-up, so there the last timing must beat the current depth by the
+margin a change needs: where depths nearly tie with K=0 a step (B=4 here), one fast timing each would
+have them probed every 16 steps, a catch-up each.
 Of the depths due, the most valuable runs first.
 
 A probe of a depth far behind costs more: its steps take longer than the current depth would for the

@@ -5,12 +5,12 @@
 
 The shipped model, drafting among its 1024 most frequent tokens as the bench does, generates
 `--new-tokens` tokens greedily from each of the bench's first `--prompts` held-out prompts. Then, for
-every g = 1 .. new_tokens - 1, a request whose prompt is the prompt and the first g - 1 generated
-tokens is prefilled (which emits token g) and runs one decode step at K=D (`--depth`); the drafts it
-accepted are a[g]. Greedy drafts depend only on the text before them, and a prefill leaves the MTP layer where
+every g = 1 .. new_tokens - 1, a request whose prompt is the prompt and the first g - 1 generated tokens
+is prefilled (which emits token g) and runs one decode step at K=D (`--depth`); the drafts it accepted
+are a[g]. Greedy drafts depend only on the text before them, and a prefill leaves the MTP layer where
 decoding does (tests/test_engine.py, test_a_step_accepts_what_its_text_accepts_at_any_depth), so a step
-at depth K <= D taken with g tokens generated accepts min(K, a[g]) drafts whatever ran before it: any depth
-schedule can be replayed from the trace (`benchmarks/auto_simulate.py --trace`), with the real
+at depth K <= D taken with g tokens generated accepts min(K, a[g]) drafts whatever ran before it: any
+depth schedule can be replayed from the trace (`benchmarks/auto_simulate.py --trace`), with the real
 acceptance of each request position by position. The graphs run eagerly (no compile), on a runtime long
 enough for every step's drafts.
 """

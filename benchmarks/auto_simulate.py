@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from auto_commits import policy_at  # noqa: E402
-from bench_preset import shipped_rates, simulate  # noqa: E402
+from bench_preset import conditional_rates, shipped_rates, simulate  # noqa: E402
 
 from compiled_mtp.depth_policy import DepthPolicy  # noqa: E402
 
@@ -66,8 +66,7 @@ def bench_rates(path: Path) -> list[float]:
     measured = json.loads(path.read_text()).get("acceptance") or []
     if not measured:
         return shipped_rates()
-    reach = max(measured, key=lambda a: a["k"])["per_position"]
-    return [r / prev for r, prev in zip(reach, [1.0, *reach])]
+    return conditional_rates(max(measured, key=lambda a: a["k"])["per_position"])
 
 
 def main() -> None:
@@ -93,11 +92,10 @@ def main() -> None:
     trace = None
     if args.trace:
         traced = json.loads(args.trace.read_text())
+        depth = traced.get("depth", 3)  # traces written before --depth ran at K=3
         deepest = max(k for by_depth in costs.values() for k in by_depth)
-        if traced.get("depth", 3) < deepest:  # a trace of K=D steps tells nothing of the drafts past D
-            parser.error(
-                f"--trace: its steps ran at K={traced.get('depth', 3)}, the bench's reach K={deepest}"
-            )
+        if depth < deepest:  # a trace of K=D steps tells nothing of the drafts past D
+            parser.error(f"--trace: its steps ran at K={depth}, the bench's reach K={deepest}")
         trace = traced["accepted"]
     rates = bench_rates(args.bench)
     policies: list[tuple[str, type[DepthPolicy], dict[str, float]]] = [("as shipped", DepthPolicy, {})]

@@ -52,10 +52,15 @@ from compiled_mtp.runtime import DTYPES  # noqa: E402
 SHIPPED_LOG = ROOT / "compiled_mtp" / "default_model" / "train_log.json"
 
 
+def conditional_rates(reach: list[float]) -> list[float]:
+    """Acceptance per draft position given the one before was accepted, from the share of steps whose
+    j-th draft is accepted."""
+    return [r / prev for r, prev in zip(reach, [1.0, *reach])]
+
+
 def shipped_rates() -> list[float]:
     """The shipped model's acceptance at K=3 per draft position, given the one before was accepted."""
-    reach = json.loads(SHIPPED_LOG.read_text())["acceptance"]["K3"]["per_position"]
-    return [r / prev for r, prev in zip(reach, [1.0, *reach])]
+    return conditional_rates(json.loads(SHIPPED_LOG.read_text())["acceptance"]["K3"]["per_position"])
 
 
 def prompts(args: argparse.Namespace, vocab: int, batch: int) -> list[list[int]]:
@@ -161,12 +166,12 @@ def simulate(
     scaled by the machine's speed, which wanders (a log-normal walk of `drift` a millisecond, drawn
     from the seed alone, so every system meets the same machine). The policy first serves the first
     `warm_up` batches of the same requests untimed, as a runtime does before a timed run (the bench
-    warms up on a round of them). With `trace` (for each request, the drafts a step at the trace's depth,
-    at least the deepest of `costs`, accepts with g tokens generated, at g = 1.., from
-    benchmarks/acceptance_trace.py), every request of the trace is served
-    instead, B at a time in a seeded order, accepting what its text accepts; `tokens` and `rates` are
-    then unused. A step at another depth than the step before costs `switch` more (0.05: 5%), as the
-    first step of other graphs does on a real machine."""
+    warms up on a round of them). With `trace` (for each request, the drafts a step at the trace's
+    depth, at least the deepest of `costs`, accepts with g tokens generated, at g = 1.., from
+    benchmarks/acceptance_trace.py), every request of the trace is served instead, B at a time in a
+    seeded order, accepting what its text accepts; `tokens` and `rates` are then unused. A step at
+    another depth than the step before costs `switch` more (0.05: 5%), as the first step of other
+    graphs does on a real machine."""
     chooser = policy(sorted(costs), **settings)
     speed = _speed_path(seed, drift)
     result: dict = {}

@@ -286,9 +286,8 @@ def test_a_far_depth_is_probed_as_often_as_its_loss_allows():
     """K=0 wins by far, as at a large batch: a step of depth 3 takes 4.0 for 2.05 tokens, which take
     2.05 at depth 0 (a loss of 1.95), a probe runs two such steps, and leaving depth 0 runs a catch-up
     of 1.2 first. At probe_share 2%, which the two other depths share, 1% of the steps' time a probe:
-    depth 3 would wait 510 steps, capped at
-    probe_most = 200; depth 1, losing 2 x 0.2 + 1.2, waits 160 (159.99..., the floats' rounding);
-    without the catch-up, probe_every = 64."""
+    depth 3 would wait 510 steps, capped at probe_most = 200; depth 1, losing 2 x 0.2 + 1.2, waits 160
+    (159.99..., the floats' rounding); without the catch-up, probe_every = 64."""
     rates = [[0.6, 0.5, 0.5]]  # 1.6 tokens at depth 1, 2.05 at depth 3
     true_cost = {0: 1.0, 1: 1.8, 3: 4.0}
     policy = DepthPolicy((0, 1, 3), probe_share=0.02, probe_most=200, close=0.0)

@@ -30,15 +30,20 @@ What it measures (greedy decoding throughout, the same prompts for every system)
   float32 bytes, at every step): the target's
   parameters, counting one embedding row and only the shared plus `num_experts_per_tok` routed
   experts of a MoE layer, plus per draft step the MTP layer's, the shared LM head and one embedding
-  row; over the measured copy bandwidth they give the most steps per second; times B and the row's
-  acceptance length it bounds tokens/s;
+  row; over the measured bandwidth they give the most steps per second; times B and the row's
+  acceptance length it bounds tokens/s. The bandwidth is the faster of a large copy's (memory's, as
+  STREAM's Copy counts it) and a warm read of as many bytes as a K=1 step reads: a decode reads the
+  same weights at every step, so where they fit the last-level cache they stay there, and the cache's
+  speed bounds a step;
 - the roofline: the same bytes, and the multiply-adds of those weights (2 per element of every
   matrix, per row: B (K + 1) rows of the target's verify and the draft extend, B of each later draft
   step; attention over the cache not counted) at the rate a large torch.mm reaches on the same
   threads, or, for products of as many rows as run on AMX's tiles (a CPU that has them, bfloat16
   weights), at the rate the C++ ops' tile products reach on a weight in cache. A step takes at least
   the longer of the two, so the roofline's speedup over K=0 is at most the bandwidth bound's, and below
-  it where a verify of B (K + 1) rows is more arithmetic than reading.
+  it where a verify of B (K + 1) rows is more arithmetic than reading. Both bound tokens/s, not the
+  ratios of two rows: a K=0 step that runs far from its bound (its fixed costs) leaves a deeper step,
+  which spreads those costs over more tokens, room to beat the ratio of the two bounds.
 
 Prompts are held-out text when the checkpoint has a tokenizer: windows of `--prompt-len` tokens one
 third into each file that the shipped model's training holds out (compiled_mtp/corpus.py), as its
@@ -188,13 +193,17 @@ class PeerRun:
 
 @dataclass
 class Bound:
-    """Weight bytes per step over measured copy bandwidth: the most steps per second memory allows."""
+    """Weight bytes per step over measured bandwidth: the most steps per second memory allows. The
+    bandwidth is the faster of a large copy's (memory's) and a warm read of as many bytes as a step
+    reads (`resident_bytes_per_s`): where a step's weights stay in the cache between steps, the cache's
+    speed bounds it, not memory's."""
 
     copy_bytes: int  # size of the tensor copied
     bandwidth_bytes_per_s: float  # best of 5 copies, read + written bytes over seconds
     target_bytes: int  # read by one target forward
     mtp_step_bytes: list[int]  # read by one draft step, per MTP layer
-    steps_per_s: dict[int, float]  # by K: bandwidth / (target + K draft steps)
+    steps_per_s: dict[int, float]  # by K: the faster bandwidth / (target + K draft steps)
+    resident_bytes_per_s: float = 0.0  # best of 5 reads of target + one draft step's bytes, just read
     flops_per_s: float = 0.0  # the best of 5 large torch.mm products, float operations over seconds
     target_flops: int = 0  # of one target forward's weights, per row
     mtp_step_flops: list[int] = field(default_factory=list)  # of one draft step's, per row and MTP layer
@@ -619,12 +628,22 @@ def gemm_rate(device: str, dtype: torch.dtype, n: int = 1024, runs: int = 5) -> 
     return 2 * n**3 / _best_of(runs, device, partial(torch.mm, a, b))
 
 
+def resident_bandwidth(device: str, nbytes: int, runs: int = 5) -> float:
+    """Bytes per second of the fastest of `runs` reads (a sum) of an `nbytes` tensor read just before:
+    what a step that reads `nbytes` of weights at every step can hope for where they fit the cache and
+    stay there between steps. Where they do not fit, memory's speed."""
+    data = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
+    return data.nbytes / _best_of(runs, device, data.sum)
+
+
 def bandwidth_bound(
-    target: int, mtp: list[int], bandwidth: float, copy_bytes: int, depths: list[int]
+    target: int, mtp: list[int], bandwidth: float, copy_bytes: int, resident: float, depths: list[int]
 ) -> Bound:
-    """Depth j drafts with MTP layer j % (number of layers), as the engine does."""
-    steps = {k: bandwidth / (target + sum(mtp[j % len(mtp)] for j in range(k))) for k in depths}
-    return Bound(copy_bytes, bandwidth, target, mtp, steps)
+    """Depth j drafts with MTP layer j % (number of layers), as the engine does. The faster of the copy's
+    `bandwidth` and the warm read's (`resident`) bounds every step."""
+    fastest = max(bandwidth, resident)
+    steps = {k: fastest / (target + sum(mtp[j % len(mtp)] for j in range(k))) for k in depths}
+    return Bound(copy_bytes, bandwidth, target, mtp, steps, resident_bytes_per_s=resident)
 
 
 def tile_rate(device: str, dtype: torch.dtype, runs: int = 5) -> tuple[int, float]:
@@ -897,8 +916,16 @@ def print_report(r: BenchResult) -> None:
         drafts = f"; accepted {p.accepted} of {p.drafted} drafts" if p.drafted is not None else ""
         print(f"{p.system:<30}{p.batch:>3}{p.tokens_per_s:>10.1f}  {same}{drafts}")
     per_draft_step = ", ".join(f"{x / 1e6:.2f}" for x in bound.mtp_step_bytes) or "-"
+    read = bound.target_bytes + (bound.mtp_step_bytes[0] if bound.mtp_step_bytes else 0)
+    used = (
+        "the read's: a step's weights stay in the cache"
+        if bound.resident_bytes_per_s > bound.bandwidth_bytes_per_s
+        else "the copy's"
+    )
     print(
-        f"\nbound: copy bandwidth {bound.bandwidth_bytes_per_s / 1e9:.1f} GB/s; weights read per target forward "
+        f"\nbound: copy bandwidth {bound.bandwidth_bytes_per_s / 1e9:.1f} GB/s ({bound.copy_bytes >> 20} MB), "
+        f"a step's {read / 1e6:.2f} MB read warm {bound.resident_bytes_per_s / 1e9:.1f} GB/s; the bound takes "
+        f"{used}; weights read per target forward "
         f"{bound.target_bytes / 1e6:.2f} MB, per draft step {per_draft_step} MB; "
         + ", ".join(f"K={k}: {s:.0f} steps/s" for k, s in bound.steps_per_s.items())
     )
@@ -1186,7 +1213,8 @@ def run(args: argparse.Namespace) -> None:
     del model  # HF loads its own copy next
     hf, meta.hf_attention = bench_hf(args.model, prompts.token_ids, args)
     bandwidth = copy_bandwidth(args.device, args.copy_mb)
-    bound = bandwidth_bound(target_bytes, mtp_bytes, bandwidth, args.copy_mb * 2**20, args.depths)
+    resident = resident_bandwidth(args.device, target_bytes + (mtp_bytes[0] if mtp_bytes else 0))
+    bound = bandwidth_bound(target_bytes, mtp_bytes, bandwidth, args.copy_mb * 2**20, resident, args.depths)
     dtype = DTYPES[args.dtype]
     add_roofline(bound, flops, gemm_rate(args.device, dtype), tile_rate(args.device, dtype), args.batch_sizes)
     add_bounds(engine, bound)

@@ -121,7 +121,10 @@ def test_values_are_sane(result):
     assert all(h["tokens_per_s"] > 0 for h in data["hf"])
     bound = data["bound"]
     assert (
-        bound["bandwidth_bytes_per_s"] > 0 and bound["target_bytes"] > 0 and len(bound["mtp_step_bytes"]) == 1
+        bound["bandwidth_bytes_per_s"] > 0
+        and bound["resident_bytes_per_s"] > 0
+        and bound["target_bytes"] > 0
+        and len(bound["mtp_step_bytes"]) == 1
     )
     steps = [bound["steps_per_s"][str(k)] for k in DEPTHS]
     assert steps == sorted(steps, reverse=True)  # each draft step reads more weights
@@ -254,7 +257,7 @@ def test_the_roofline_never_allows_more_than_the_bandwidth_bound(
     """At most the bandwidth bound's steps; no more as rows are added (a deeper K, a larger B); and
     the bandwidth bound itself where arithmetic costs nothing."""
     draft = [d + head for d in draft]  # a draft step's multiply-adds include its head's
-    bytes_bound = bench.bandwidth_bound(target, draft, bandwidth, 1, depths)
+    bytes_bound = bench.bandwidth_bound(target, draft, bandwidth, 1, 0.0, depths)
     bench.add_roofline(bytes_bound, (target, draft, head), rate, (0, 0.0), batches)
     roof = bytes_bound.roofline_steps_per_s
     for k in depths:
@@ -264,9 +267,30 @@ def test_the_roofline_never_allows_more_than_the_bandwidth_bound(
     for b in batches:
         by_depth = [roof[f"{k}/{b}"] for k in sorted(depths)]
         assert by_depth == sorted(by_depth, reverse=True)
-    free = bench.bandwidth_bound(target, draft, bandwidth, 1, depths)
+    free = bench.bandwidth_bound(target, draft, bandwidth, 1, 0.0, depths)
     bench.add_roofline(free, (target, draft, head), float("inf"), (0, 0.0), batches)
     assert all(free.roofline_steps_per_s[f"{k}/{b}"] == free.steps_per_s[k] for k in depths for b in batches)
+
+
+@given(
+    target=ROOFLINE_DRAWS["target"],
+    draft=ROOFLINE_DRAWS["draft"],
+    depths=ROOFLINE_DRAWS["depths"],
+    bandwidth=st.floats(1e6, 1e12),
+    resident=st.one_of(st.just(0.0), st.floats(1e6, 1e12)),
+)
+def test_the_bound_reads_at_the_faster_of_the_copy_and_the_warm_read(
+    target, draft, depths, bandwidth, resident
+):
+    """Every depth's steps are the faster bandwidth over its bytes: a warm read slower than the copy (a
+    step's weights larger than the cache) leaves the copy's bound as it was, a faster one raises it."""
+    copy_only = bench.bandwidth_bound(target, draft, bandwidth, 1, 0.0, depths)
+    bound = bench.bandwidth_bound(target, draft, bandwidth, 1, resident, depths)
+    for k in depths:
+        read = target + sum(draft[j % len(draft)] for j in range(k))
+        assert bound.steps_per_s[k] == pytest.approx(max(bandwidth, resident) / read, rel=1e-12)
+        assert bound.steps_per_s[k] >= copy_only.steps_per_s[k]
+    assert bound.bandwidth_bytes_per_s == bandwidth and bound.resident_bytes_per_s == resident
 
 
 @given(**ROOFLINE_DRAWS, faster=st.floats(1.0, 100.0), tile_rows=st.integers(1, 16))
@@ -275,7 +299,7 @@ def test_faster_tile_products_never_lower_the_roofline(
 ):
     """Products of tile_rows rows or more at a faster rate: never fewer steps than without them, never
     more than the bandwidth bound's."""
-    bounds = [bench.bandwidth_bound(target, draft, 1e9, 1, depths) for _ in range(2)]
+    bounds = [bench.bandwidth_bound(target, draft, 1e9, 1, 0.0, depths) for _ in range(2)]
     bench.add_roofline(bounds[0], (target, draft, 0), rate, (0, 0.0), batches)
     bench.add_roofline(bounds[1], (target, draft, 0), rate, (tile_rows, rate * faster), batches)
     for key, steps in bounds[1].roofline_steps_per_s.items():
@@ -286,7 +310,7 @@ def test_faster_tile_products_never_lower_the_roofline(
 def test_a_roofline_step_counts_every_row_of_its_graphs():
     """K=2, B=3: 9 rows through the target and the extend's layer (whose head drafts from 3), 3
     through the draft step that follows."""
-    bound = bench.bandwidth_bound(10**6, [10**5], 1e12, 1, [0, 2])
+    bound = bench.bandwidth_bound(10**6, [10**5], 1e12, 1, 0.0, [0, 2])
     bench.add_roofline(bound, (100, [40], 10), 1320.0, (0, 0.0), [3])
     assert bound.roofline_steps_per_s == {
         "0/3": 1320.0 / 300,

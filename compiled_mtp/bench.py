@@ -628,6 +628,11 @@ def gemm_rate(device: str, dtype: torch.dtype, n: int = 1024, runs: int = 5) -> 
     return 2 * n**3 / _best_of(runs, device, partial(torch.mm, a, b))
 
 
+def first_depth_bytes(target: int, mtp: list[int]) -> int:
+    """The weight bytes a K=1 step reads: the target's and one draft step's (the warm read's size)."""
+    return target + (mtp[0] if mtp else 0)
+
+
 def resident_bandwidth(device: str, nbytes: int, runs: int = 5) -> float:
     """Bytes per second of the fastest of `runs` reads (a sum) of an `nbytes` tensor read just before:
     what a step that reads `nbytes` of weights at every step can hope for where they fit the cache and
@@ -916,7 +921,7 @@ def print_report(r: BenchResult) -> None:
         drafts = f"; accepted {p.accepted} of {p.drafted} drafts" if p.drafted is not None else ""
         print(f"{p.system:<30}{p.batch:>3}{p.tokens_per_s:>10.1f}  {same}{drafts}")
     per_draft_step = ", ".join(f"{x / 1e6:.2f}" for x in bound.mtp_step_bytes) or "-"
-    read = bound.target_bytes + (bound.mtp_step_bytes[0] if bound.mtp_step_bytes else 0)
+    read = first_depth_bytes(bound.target_bytes, bound.mtp_step_bytes)
     used = (
         "the read's: a step's weights stay in the cache"
         if bound.resident_bytes_per_s > bound.bandwidth_bytes_per_s
@@ -1213,7 +1218,7 @@ def run(args: argparse.Namespace) -> None:
     del model  # HF loads its own copy next
     hf, meta.hf_attention = bench_hf(args.model, prompts.token_ids, args)
     bandwidth = copy_bandwidth(args.device, args.copy_mb)
-    resident = resident_bandwidth(args.device, target_bytes + (mtp_bytes[0] if mtp_bytes else 0))
+    resident = resident_bandwidth(args.device, first_depth_bytes(target_bytes, mtp_bytes))
     bound = bandwidth_bound(target_bytes, mtp_bytes, bandwidth, args.copy_mb * 2**20, resident, args.depths)
     dtype = DTYPES[args.dtype]
     add_roofline(bound, flops, gemm_rate(args.device, dtype), tile_rate(args.device, dtype), args.batch_sizes)

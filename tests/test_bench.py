@@ -386,3 +386,19 @@ def test_random_checkpoint_of_another_family_then_bench(
     mtp_rows = ["llama.cpp MTP K=1"] if llama and llama_cpp_peer.mtp_available() else []
     assert [p["system"] for p in data["peers"]] == (["llama.cpp", *mtp_rows] if llama else [])
     assert all(p["same_tokens"] for p in data["peers"])
+
+
+def test_the_speedup_goal_names_the_most_the_roofline_allows():
+    """The goal's detail gives the best roofline speedup among the fixed depths at its B, so a run says
+    when its goal is beyond what the machine's bytes and arithmetic allow any depth."""
+    rows = []
+    for k, rate, roof in ((0, 1000.0, 1.0), (1, 1270.0, 1.54), (2, 1440.0, 1.43), ("auto", 1400.0, 1.9)):
+        row = bench.EngineRun(k, 1, rate, rate, 1.0, 1.0, 0.0, 0.0, 1.0, 1, decode_runs=[rate])
+        row.speedup, row.roofline_speedup = rate / 1000.0, roof
+        rows.append(row)
+    speedup = bench._speedup_goal(rows, 1, 1.8)[0]
+    assert speedup.value == pytest.approx(1.44) and speedup.met is False
+    assert speedup.detail.startswith("K=2: 1440.0 vs 1000.0 decode tok/s")
+    assert speedup.detail.endswith(
+        "the roofline allows at most 1.54x (K=1)"
+    )  # auto's is its best fixed depth's

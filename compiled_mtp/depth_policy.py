@@ -53,11 +53,18 @@ within `close` of the current one's value take turns, one every `close_probe_eve
 close_probe_every times their number): a near tie is what one noisy measurement decides wrongly, and a
 probe of a depth worth nearly as much costs little, though not nothing, since a step after a change of
 depth runs slower. Probed every close_probe_every steps each, the three or four near ties of depths
-0-6 at B=1 took 6-8 of every 22-24 steps. So does a depth whose last timing alone would beat the
-current one, however far behind its median puts it: two more timings outvote the older ones. Across
-depth 0 such a probe runs a catch-up, so there the last timing must beat the current depth by the
-margin a change needs: where depths nearly tie with K=0 a step (B=4 here), one fast timing each would
-have them probed every 16 steps, a catch-up each.
+0-6 at B=1 took 6-8 of every 22-24 steps. So each probe that a near depth loses (the bucket holds
+another depth after it) doubles that depth's wait, up to 2**`backoff` times, until the bucket holds
+it: where several depths nearly tie, probes at one cadence put a large share of auto's steps at
+depths other than the one it held (benchmarks/README.md, "Near ties that keep losing"), and each
+probe is two changes of depth. A batch's last steps, whose requests want fewer tokens than a deeper step drafts, change
+the depth to 0 and back without any probe lost or won: those changes keep the waits.
+
+A depth whose last timing alone would beat the current one is probed every close_probe_every steps,
+whatever its wait and however far behind its median puts it: two more timings outvote the older
+ones. Across depth 0 such a probe runs a catch-up, so there the last timing must beat the current
+depth by the margin a change needs: where depths nearly tie with K=0 a step (B=4 here), one fast
+timing each would have them probed every 16 steps, a catch-up each.
 Of the depths due, the most valuable runs first.
 
 A probe of a depth far behind costs more: its steps take longer than the current depth would for the
@@ -135,6 +142,7 @@ class DepthPolicy:
         probe_most: int = 512,
         probe_steps: int = 2,
         recheck_every: int = 4,
+        backoff: int = 3,
     ) -> None:
         self.depths = tuple(sorted(depths))
         self.request_alpha = request_alpha
@@ -149,6 +157,7 @@ class DepthPolicy:
         self.probe_most = probe_most
         self.probe_steps = probe_steps
         self.recheck_every = recheck_every
+        self.backoff = backoff
         self.current = self.depths[-1]  # the depth held by the bucket of the last choice
         self._held_by: dict[int, int] = {}  # the depth each bucket holds
         self._soonest = min(close_probe_every, probe_every)  # no depth is probed sooner
@@ -160,6 +169,8 @@ class DepthPolicy:
         self._last: dict[int, int] = {}  # the depth of each bucket's last step
         # Each bucket's probe in progress: its depth, and the bucket's step count when it ends.
         self._probing: dict[int, tuple[int, int]] = {}
+        # Each key's probes lost in a row: after each, its bucket held another depth.
+        self._confirmed: Counter[Key] = Counter()
         self._seen: Counter[Key] = Counter()
         self._steps: Counter[int] = Counter()  # choices made per bucket
         # The bucket's step count when each key's cost was last measured.
@@ -300,6 +311,7 @@ class DepthPolicy:
         best = max(value, key=value.__getitem__)
         if value[best] > value[self.current] * (1 + self._margin(best)):
             self.current = best
+        self._judge_probe(bucket)
         self._held_by[bucket] = self.current
         self._steps[bucket] += 1
         near = self._near(value)
@@ -321,6 +333,14 @@ class DepthPolicy:
         if probe != self.current:
             self._probing[bucket] = (probe, self._steps[bucket] + self.probe_steps - 1)
         return probe
+
+    def _judge_probe(self, bucket: int) -> None:
+        """After the bucket's probe, if one just ended: a probed depth not held after it lost once
+        more, and the depth held starts afresh."""
+        probed, _ = self._probing.pop(bucket, (None, None))
+        if probed is not None and probed != self.current:
+            self._confirmed[bucket, probed] += 1
+        self._confirmed.pop((bucket, self.current), None)
 
     def values(
         self, bucket: int, rates: Sequence[Sequence[float]], remaining: Sequence[int]
@@ -353,8 +373,8 @@ class DepthPolicy:
         measured = self._measured_at[bucket, k]
         if self._steps[bucket] - measured <= self._soonest:
             return measured + self._soonest
-        near_every = self.close_probe_every * len(near)
-        every = near_every if k in near else self._far_every(bucket, k, value, remaining)
+        soon = self.close_probe_every << min(self._confirmed[bucket, k], self.backoff)
+        every = soon * len(near) if k in near else self._far_every(bucket, k, value, remaining)
         last = value[k] * self._cost[bucket, k] / self._samples[bucket, k][-1]  # valued at its last timing
         # Across depth 0 a probe runs a catch-up: worth it where its last timing would change the
         # depth, not merely beat the current one.

@@ -151,7 +151,7 @@ def test_a_slower_machine_changes_no_choice():
     the probe of depth 2 falls there: timed against depth 3's steps of the same moment, it stays
     behind. Averaging the probe's raw time with depth 2's cost from the fast moment would put depth 2
     ahead (1.1 against depth 3's 1.56)."""
-    policy = DepthPolicy((2, 3), close_probe_every=8)
+    policy = DepthPolicy((2, 3), close_probe_every=8, backoff=0)
     _measured(policy, 1, {2: 1.0, 3: 1.04})
     true_cost, rates = {2: 1.0, 3: 1.04}, [[0.86, 0.62, 0.42]]  # 2.39 tokens for 1.0, 2.62 for 1.04
     chosen = _served(policy, 1, rates, 60, lambda step, k: true_cost[k] * (1.5 if 4 <= step < 24 else 1.0))
@@ -166,13 +166,51 @@ def test_near_depths_take_turns_at_one_close_probe_cadence():
     run a probe every third step; as near depths they share that cadence, each probed every 3 x 8
     steps, most valuable first, two steps a probe: the probes of a 26-step cycle are 6 of its steps."""
     costs = {1: 0.64, 2: 0.883, 3: 1.0, 4: 1.154}
-    policy = DepthPolicy((1, 2, 3, 4), close_probe_every=8)
+    policy = DepthPolicy((1, 2, 3, 4), close_probe_every=8, backoff=0)
     policy.current = 3
     _measured(policy, 1, costs)
     chosen = _served(policy, 1, [[0.9, 0.8, 0.7, 0.6]], 120, lambda step, k: costs[k])
     cycle = [4, 4, 1, 1, 2, 2]
     probes = [(step, k) for step, k in enumerate(chosen) if k != 3]
     assert probes == [(start + i, k) for start in (24, 50, 76, 102) for i, k in enumerate(cycle)]
+
+
+def test_a_near_tie_that_keeps_losing_its_probes_waits_longer_after_each():
+    """Depth 3 is 5% better than depth 2, a near tie probed every close_probe_every = 8 steps. Each
+    probe that depth 2 loses doubles its wait, up to 2**backoff = 4 times. At step 80 depth 3 turns
+    10% slower; depth 3's own steps read that as the machine's speed, and depth 2's next probe, timed
+    against them, would win on its own timing, so it is probed again 8 steps on and the depth
+    changes. Depth 3, held until then and now the near tie, waits 8 steps, then 16."""
+    policy = DepthPolicy((2, 3), margin=0.02, close_probe_every=8, backoff=2)
+    _measured(policy, 1, {2: 1.0, 3: 1.04})
+    rates = [[0.86, 0.62, 0.42]]  # 2.39 tokens for 1.0, 2.62 for 1.04
+    chosen = _served(
+        policy, 1, rates, 150, lambda step, k: 1.0 if k == 2 else 1.04 * (1.1 if step >= 80 else 1)
+    )
+    starts = [step for step in range(1, 150) if chosen[step] != chosen[step - 1]]
+    assert starts[:8:2] == [8, 26, 60, 94]  # 8, 16, 32, then 32 steps after each 2-step probe
+    assert starts[8:11] == [104, 106, 114] and chosen[114:122] == [2] * 8  # probed again, and it won
+    assert starts[11::2] == [122, 140]
+
+
+def test_a_batchs_last_steps_at_depth_0_keep_the_near_ties_waits():
+    """As above, depth 2 a near tie of depth 3, but every 30 steps the batch's request wants one
+    token more for two steps, as a batch's last steps do, and depth 0 runs them. Those changes of
+    depth are no probe lost or won: depth 2's wait still doubles after each probe it loses, up to
+    32 steps."""
+    costs = {0: 0.5, 2: 0.883, 3: 1.0}
+    policy = DepthPolicy((0, 2, 3), margin=0.02, close_probe_every=8, backoff=2, probe_every=1000)
+    policy.current = 3
+    _measured(policy, 1, costs)
+    chosen = []
+    for step in range(200):
+        chosen.append(policy.choose(1, [[0.9, 0.8, 0.7]], [1 if step % 30 >= 28 else 100]))
+        policy.record_cost(1, chosen[-1], costs[chosen[-1]])
+    assert [step for step, k in enumerate(chosen) if k == 0] == [
+        s + i for s in range(28, 200, 30) for i in (0, 1)
+    ]
+    probes = [step for step in range(1, 200) if chosen[step] == 2 != chosen[step - 1]]
+    assert probes == [8, 26, 60, 94, 128, 162, 196]
 
 
 def test_each_depth_is_valued_at_its_own_steps_acceptance():
@@ -227,7 +265,7 @@ def test_a_near_tie_is_probed_often_and_its_cost_taken_over_the_probes(close):
     true 1.04), which puts it 5% behind. Within `close` of the current depth, it runs every
     close_probe_every steps, its cost the median of its timings, until it wins (and depth 2, now the
     near runner-up, is probed in turn); without the rule its next measurement is 64 steps away."""
-    policy = DepthPolicy((2, 3), margin=0.02, close=close, close_probe_every=4, probe_every=64)
+    policy = DepthPolicy((2, 3), margin=0.02, close=close, close_probe_every=4, probe_every=64, backoff=0)
     _measured(policy, 1, {2: 1.0, 3: 1.15})
     true_cost, rates = {2: 1.0, 3: 1.04}, [[0.86, 0.62, 0.42]]  # 2.39 tokens for 1.0, 2.62 for 1.04
     chosen = _served(policy, 1, rates, 40, lambda step, k: true_cost[k])
@@ -242,7 +280,7 @@ def test_one_timing_in_a_fast_moment_moves_no_choice():
     """Depth 3 is 5% better than depth 2, and both have been timed several times at their true costs.
     Then one probe of depth 2 falls in a moment twice as fast: its cost is the median of its last
     timings, so the outlier leaves it where it was (an average weighing it 0.2 put depth 2 ahead)."""
-    policy = DepthPolicy((2, 3), margin=0.02, close_probe_every=4)
+    policy = DepthPolicy((2, 3), margin=0.02, close_probe_every=4, backoff=0)
     _measured(policy, 1, {2: 1.0, 3: 1.04})
     true_cost, rates = {2: 1.0, 3: 1.04}, [[0.86, 0.62, 0.42]]  # 2.39 tokens for 1.0, 2.62 for 1.04
     chosen = _served(policy, 1, rates, 16, lambda step, k: true_cost[k])

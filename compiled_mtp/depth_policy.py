@@ -54,11 +54,13 @@ close_probe_every times their number): a near tie is what one noisy measurement 
 probe of a depth worth nearly as much costs little, though not nothing, since a step after a change of
 depth runs slower. Probed every close_probe_every steps each, the three or four near ties of depths
 0-6 at B=1 took 6-8 of every 22-24 steps. So each probe that a near depth loses (the bucket holds
-another depth after it) doubles that depth's wait, up to 2**`backoff` times, until the bucket holds
-it: where several depths nearly tie, probes at one cadence put a large share of auto's steps at
+another depth after it) doubles that depth's wait, up to 2**`backoff` times, until it wins one:
+where several depths nearly tie, probes at one cadence put a large share of auto's steps at
 depths other than the one it held (benchmarks/README.md, "Near ties that keep losing"), and each
-probe is two changes of depth. A batch's last steps, whose requests want fewer tokens than a deeper step drafts, change
-the depth to 0 and back without any probe lost or won: those changes keep the waits.
+probe is two changes of depth. A change of depth for any other reason keeps the waits: a batch's last steps, whose
+requests want fewer tokens than a deeper step drafts, change the depth to 0 and back, and a lone
+request's rates move it to a shallower depth in hard text and back, every few dozen steps at B=1,
+without any probe lost or won.
 
 A depth whose last timing alone would beat the current one is probed every close_probe_every steps,
 whatever its wait and however far behind its median puts it: two more timings outvote the older
@@ -335,12 +337,13 @@ class DepthPolicy:
         return probe
 
     def _judge_probe(self, bucket: int) -> None:
-        """After the bucket's probe, if one just ended: a probed depth not held after it lost once
-        more, and the depth held starts afresh."""
+        """After the bucket's probe, if one just ended: the probed depth lost once more, or won (the
+        bucket holds it) and starts afresh."""
         probed, _ = self._probing.pop(bucket, (None, None))
-        if probed is not None and probed != self.current:
+        if probed == self.current:
+            del self._confirmed[bucket, probed]
+        elif probed is not None:
             self._confirmed[bucket, probed] += 1
-        self._confirmed.pop((bucket, self.current), None)
 
     def values(
         self, bucket: int, rates: Sequence[Sequence[float]], remaining: Sequence[int]

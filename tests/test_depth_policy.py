@@ -213,6 +213,23 @@ def test_a_batchs_last_steps_at_depth_0_keep_the_near_ties_waits():
     assert probes == [8, 26, 60, 94, 128, 162, 196]
 
 
+def test_a_stretch_held_on_a_requests_rates_keeps_the_near_ties_waits():
+    """Depth 1 is a near tie of depth 2 (2.375 against 2.575) and loses its probes at steps 8 and
+    26. In a stretch of hard text (steps 60-69), the request's rates make depth 1 worth more, and it
+    is held; then depth 2 again. Depth 1 won no probe, so its wait stays at 32 steps."""
+    costs = {1: 0.8, 2: 1.0}
+    policy = DepthPolicy((1, 2), margin=0.02, close_probe_every=8, backoff=2, probe_every=1000)
+    policy.current = 2
+    _measured(policy, 1, costs)
+    chosen = []
+    for step in range(160):
+        rates = [0.9, 0.2] if 60 <= step < 70 else [0.9, 0.75]
+        chosen.append(policy.choose(1, [rates], [100]))
+        policy.record_cost(1, chosen[-1], costs[chosen[-1]])
+    assert chosen[60:72] == [1] * 10 + [2] * 2
+    assert [step for step in range(1, 160) if chosen[step] == 1 != chosen[step - 1]] == [8, 26, 60, 102, 136]
+
+
 def test_each_depth_is_valued_at_its_own_steps_acceptance():
     """Steps at depth 3 accept their first draft more often (0.9) than steps at depth 1 (0.7):
     each depth's steps start at different places in the text. Pooled rates would value depth 1

@@ -55,12 +55,12 @@ probe of a depth worth nearly as much costs little, though not nothing, since a 
 depth runs slower. Probed every close_probe_every steps each, the three or four near ties of depths
 0-6 at B=1 took 6-8 of every 22-24 steps. So each probe that a near depth loses (the bucket holds
 another depth after it) doubles that depth's wait, up to 2**`backoff` times, until it wins one:
-where several depths nearly tie, probes at one cadence put a large share of auto's steps at
-depths other than the one it held (benchmarks/README.md, "Near ties that keep losing"), and each
-probe is two changes of depth. A change of depth for any other reason keeps the waits: a batch's last steps, whose
-requests want fewer tokens than a deeper step drafts, change the depth to 0 and back, and a lone
-request's rates move it to a shallower depth in hard text and back, every few dozen steps at B=1,
-without any probe lost or won.
+where several depths nearly tie, probes at one cadence put a large share of auto's steps at depths
+other than the one it held (benchmarks/README.md, "Near ties that keep losing"), and each probe is
+two changes of depth. A change of depth for any other reason keeps the waits: a batch's last steps,
+whose requests want fewer tokens than a deeper step drafts, change the depth to 0 and back, and a
+lone request's rates move it to a shallower depth in hard text and back, every few dozen steps at
+B=1, without any probe lost or won.
 
 A depth whose last timing alone would beat the current one is probed every close_probe_every steps,
 whatever its wait and however far behind its median puts it: two more timings outvote the older
@@ -372,7 +372,8 @@ class DepthPolicy:
     ) -> float:
         """The bucket's step after which a probe of depth k is due (at the shortest wait when that
         has not passed yet, without working out which wait applies). The `near` depths take turns:
-        each is probed every close_probe_every steps times their number."""
+        each is probed every close_probe_every steps times their number, doubled for each probe it
+        lost in a row (up to `backoff` times)."""
         measured = self._measured_at[bucket, k]
         if self._steps[bucket] - measured <= self._soonest:
             return measured + self._soonest

@@ -172,7 +172,7 @@ class DepthPolicy:
         # Each bucket's probe in progress: its depth, and the bucket's step count when it ends.
         self._probing: dict[int, tuple[int, int]] = {}
         # Each key's probes lost in a row: after each, its bucket held another depth.
-        self._confirmed: Counter[Key] = Counter()
+        self._lost: Counter[Key] = Counter()
         self._seen: Counter[Key] = Counter()
         self._steps: Counter[int] = Counter()  # choices made per bucket
         # The bucket's step count when each key's cost was last measured.
@@ -341,9 +341,9 @@ class DepthPolicy:
         bucket holds it) and starts afresh."""
         probed, _ = self._probing.pop(bucket, (None, None))
         if probed == self.current:
-            del self._confirmed[bucket, probed]
+            del self._lost[bucket, probed]
         elif probed is not None:
-            self._confirmed[bucket, probed] += 1
+            self._lost[bucket, probed] += 1
 
     def values(
         self, bucket: int, rates: Sequence[Sequence[float]], remaining: Sequence[int]
@@ -377,7 +377,7 @@ class DepthPolicy:
         measured = self._measured_at[bucket, k]
         if self._steps[bucket] - measured <= self._soonest:
             return measured + self._soonest
-        soon = self.close_probe_every << min(self._confirmed[bucket, k], self.backoff)
+        soon = self.close_probe_every << min(self._lost[bucket, k], self.backoff)
         every = soon * len(near) if k in near else self._far_every(bucket, k, value, remaining)
         last = value[k] * self._cost[bucket, k] / self._samples[bucket, k][-1]  # valued at its last timing
         # Across depth 0 a probe runs a catch-up: worth it where its last timing would change the

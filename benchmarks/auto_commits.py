@@ -10,8 +10,13 @@ tokens each. Printed: each system's decode tok/s over all rounds, its ratio to t
 over all rounds, the same ratio round by round (median, range) and auto's steps per depth. In one
 process, since two processes' step times differ by up to 30% here at the same schedule.
 
-    python benchmarks/auto_commits.py 392d5b5~1 [--batch 4] [--rounds 20] [--timed-prompts 8] [--cache-dir DIR]
-        [--depths 0 1 2 3]
+With `--trials T`, the rounds run T times over, and before each time after the first every auto
+starts a policy afresh and is warmed up again: the bench's conditions (a policy that has seen only
+the warm-up, then 5 rounds) T times, where the rounds of one long run judge a policy that has long
+settled. The ratios are then also given trial by trial.
+
+    python benchmarks/auto_commits.py 392d5b5~1 [--batch 4] [--rounds 20] [--trials 1] [--timed-prompts 8]
+        [--cache-dir DIR] [--depths 0 1 2 3]
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import argparse
 import statistics
 import subprocess
 import types
+from collections import Counter
 from pathlib import Path
 
 from auto_trace import BenchSystems, add_system_arguments, warm_up
@@ -52,34 +58,60 @@ def autos_at(systems: BenchSystems, revs: list[str]) -> dict[str, Runtime]:
     return out
 
 
+def fresh_autos(runtimes: dict[int | str, Runtime], groups: list[list[list[int]]], params) -> None:
+    """Every auto runtime's policy started afresh (of its own class) and warmed up as the bench's."""
+    for rt in runtimes.values():
+        if rt._depth == "auto":
+            rt._policy = type(rt._policy)(rt._policy.depths)
+            warm_up(rt, groups, params)
+
+
+def ratios(seconds: list[float], best: list[float], every: int) -> str:
+    """The best fixed depth's time over a system's, summed over each `every` rounds: median (range)."""
+    spans = range(0, len(seconds), every)
+    out = sorted(sum(best[i : i + every]) / sum(seconds[i : i + every]) for i in spans)
+    return f"{statistics.median(out):.3f}x ({out[0]:.2f}-{out[-1]:.2f})"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("revs", nargs="*", help="commits whose policy runs beside this checkout's")
     add_system_arguments(parser, rounds=20)
+    parser.add_argument("--trials", type=int, default=1, help="times the rounds run, each auto afresh")
     args = parser.parse_args()
     systems = BenchSystems(args.batch, args.timed_prompts, args.cache_dir, args.depths)
     runtimes = {**systems.runtimes(), **autos_at(systems, args.revs)}
     groups, params = systems.groups, systems.params
     for rt in runtimes.values():
         warm_up(rt, groups, params)
-    before = {k: dict(rt.stats()["depth_histogram"]) for k, rt in runtimes.items()}
-    seconds: dict[int | str, list[float]] = {k: [0.0] * args.rounds for k in runtimes}
-    for r, group, k in turns(list(runtimes), groups, args.rounds):
-        seconds[k][r] += timed_generate(runtimes[k], group, params).decode_seconds
+    steps: dict[int | str, Counter[int]] = {k: Counter() for k in runtimes}
+    seconds: dict[int | str, list[float]] = {k: [] for k in runtimes}
+    for trial in range(args.trials):
+        if trial:
+            fresh_autos(runtimes, groups, params)
+        before = {k: Counter(rt.stats()["depth_histogram"]) for k, rt in runtimes.items()}
+        for k in runtimes:
+            seconds[k] += [0.0] * args.rounds
+        for r, group, k in turns(list(runtimes), groups, args.rounds):
+            seconds[k][trial * args.rounds + r] += timed_generate(runtimes[k], group, params).decode_seconds
+        for k, rt in runtimes.items():
+            steps[k] += Counter(rt.stats()["depth_histogram"]) - before[k]
+    rounds = args.rounds * args.trials
     tokens = sum(map(len, groups)) * (params.max_new_tokens - 1)
     fixed = [k for k in runtimes if isinstance(k, int)]
     best = min(fixed, key=lambda k: sum(seconds[k]))
-    print(f"B={args.batch}, {args.rounds} rounds in turns; ratios against the best fixed depth, K={best}")
-    for k, rt in runtimes.items():
-        ratios = sorted(b / s for s, b in zip(seconds[k], seconds[best]))
+    print(
+        f"B={args.batch}, {args.trials} x {args.rounds} rounds in turns; ratios against the best fixed depth, K={best}"
+    )
+    for k in runtimes:
         line = (
-            f"  {'K=' + str(k) if k in fixed else k:<16} {tokens * args.rounds / sum(seconds[k]):7.1f} decode tok/s"
-            f"  {sum(seconds[best]) / sum(seconds[k]):.3f}x"
-            f"  per round {statistics.median(ratios):.3f}x ({ratios[0]:.2f}-{ratios[-1]:.2f})"
+            f"  {'K=' + str(k) if k in fixed else k:<16} {tokens * rounds / sum(seconds[k]):7.1f} decode tok/s"
+            f"  {sum(seconds[best]) / sum(seconds[k]):.3f}x  per round {ratios(seconds[k], seconds[best], 1)}"
         )
+        if args.trials > 1:
+            line += f"  per trial {ratios(seconds[k], seconds[best], args.rounds)}"
         if k not in fixed:
-            after = rt.stats()["depth_histogram"]
-            line += f"  steps per depth { ({d: n - before[k].get(d, 0) for d, n in after.items()}) }"
+            line += f"  steps per depth {dict(sorted(steps[k].items()))}"
         print(line, flush=True)
 
 

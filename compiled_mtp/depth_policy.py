@@ -64,9 +64,13 @@ B=1, without any probe lost or won.
 
 A depth whose last timing alone would beat the current one is probed every close_probe_every steps,
 whatever its wait and however far behind its median puts it: two more timings outvote the older
-ones. Across depth 0 such a probe runs a catch-up, so there the last timing must beat the current
-depth by the margin a change needs: where depths nearly tie with K=0 a step (B=4 here), one fast
-timing each would have them probed every 16 steps, a catch-up each.
+ones. That wait too doubles after each probe the depth loses: where depths tie within the noise of
+one timing (K=0, K=1 and K=2 at B=4 here), some depth's last timing beats the current one's cost
+most of the time, and probes every close_probe_every steps, each two changes of depth, cost auto
+about a point (benchmarks/README.md, "Probes of a near tie's fast timing"). Across depth 0 such a
+probe runs a catch-up, so there the last timing must beat the current depth by the margin a change
+needs: where depths nearly tie with K=0 a step (B=4 here), one fast timing each would have them
+probed every 16 steps, a catch-up each.
 Of the depths due, the most valuable runs first.
 
 A probe of a depth far behind costs more: its steps take longer than the current depth would for the
@@ -373,7 +377,8 @@ class DepthPolicy:
         """The bucket's step after which a probe of depth k is due (at the shortest wait when that
         has not passed yet, without working out which wait applies). The `near` depths take turns:
         each is probed every close_probe_every steps times their number, doubled for each probe it
-        lost in a row (up to `backoff` times)."""
+        lost in a row (up to `backoff` times). A depth whose last timing would win waits the doubled
+        close_probe_every alone."""
         measured = self._measured_at[bucket, k]
         if self._steps[bucket] - measured <= self._soonest:
             return measured + self._soonest
@@ -384,7 +389,7 @@ class DepthPolicy:
         # depth, not merely beat the current one.
         needed = self._margin(k) if 0 in (k, self.current) else 0.0
         if last > value[self.current] * (1 + needed):
-            every = min(every, self.close_probe_every)  # its last timing alone would win
+            every = min(every, soon)  # its last timing alone would win
         return measured + every
 
     def _far_every(self, bucket: int, k: int, value: dict[int, float], remaining: Sequence[int]) -> float:

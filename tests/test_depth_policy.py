@@ -178,19 +178,20 @@ def test_near_depths_take_turns_at_one_close_probe_cadence():
 def test_a_near_tie_that_keeps_losing_its_probes_waits_longer_after_each():
     """Depth 3 is 5% better than depth 2, a near tie probed every close_probe_every = 8 steps. Each
     probe that depth 2 loses doubles its wait, up to 2**backoff = 4 times. At step 80 depth 3 turns
-    10% slower; depth 3's own steps read that as the machine's speed, and depth 2's next probe, timed
-    against them, would win on its own timing, so it is probed again 8 steps on and the depth
-    changes. Depth 3, held until then and now the near tie, waits 8 steps, then 16."""
+    10% slower; depth 3's own steps read that as the machine's speed, and depth 2's next probes,
+    timed against them, would win on their own timing. Depth 2 lost its probes before, so they keep
+    its 32-step wait, and the third such timing outvotes the older ones: the depth changes. Depth 3,
+    held until then and now the near tie, waits 8 steps, then 16."""
     policy = DepthPolicy((2, 3), margin=0.02, close_probe_every=8, backoff=2)
     _measured(policy, 1, {2: 1.0, 3: 1.04})
     rates = [[0.86, 0.62, 0.42]]  # 2.39 tokens for 1.0, 2.62 for 1.04
     chosen = _served(
-        policy, 1, rates, 150, lambda step, k: 1.0 if k == 2 else 1.04 * (1.1 if step >= 80 else 1)
+        policy, 1, rates, 200, lambda step, k: 1.0 if k == 2 else 1.04 * (1.1 if step >= 80 else 1)
     )
-    starts = [step for step in range(1, 150) if chosen[step] != chosen[step - 1]]
-    assert starts[:8:2] == [8, 26, 60, 94]  # 8, 16, 32, then 32 steps after each 2-step probe
-    assert starts[8:11] == [104, 106, 114] and chosen[114:122] == [2] * 8  # probed again, and it won
-    assert starts[11::2] == [122, 140]
+    starts = [step for step in range(1, 200) if chosen[step] != chosen[step - 1]]
+    assert starts[:12:2] == [8, 26, 60, 94, 128, 162]  # 8, 16, 32, then 32 steps after each probe
+    assert chosen[162:170] == [2] * 8  # the third probe since step 80 won
+    assert starts[11::2] == [170, 188]
 
 
 def test_a_batchs_last_steps_at_depth_0_keep_the_near_ties_waits():
@@ -424,17 +425,17 @@ def test_a_depth_whose_last_timing_would_win_is_probed_again_soon(true_cost):
     """Depth 1 was timed once slow (3.0), so depth 0 holds: 1 token for 1.0 against 1.84 for 3.0. A
     probe of depth 1, two steps, loses 2 x 3.0 x (1 - 0.613) = 2.32, so it waits 464 steps at
     probe_share 0.005. If it comes out at 1.5, depth 1 would win on that timing alone, but the median
-    of [3.0, 1.5] does not let it: the next probe comes close_probe_every steps later, and its
-    timing, the second of three, moves the policy to depth 1. If it comes out at 3.0 again, the loss
-    rule spaces the next."""
+    of [3.0, 1.5] does not let it: the next probe comes twice close_probe_every steps later (the
+    probe it lost doubles the wait), and its timing, the second of three, moves the policy to depth 1.
+    If it comes out at 3.0 again, the loss rule spaces the next."""
     policy = DepthPolicy((0, 1), close=0.0, probe_every=64, close_probe_every=16, probe_share=0.005)
     _measured(policy, 4, {0: 1.0, 1: 3.0})
     costs = {0: 1.0, 1: true_cost}
     chosen = _served(policy, 4, [[0.84]], 700, lambda step, k: costs[k])
     probes = [step for step, k in enumerate(chosen) if k == 1]
     if true_cost < 1.84:
-        assert probes[:4] == [464, 465, 482, 483]
-        assert policy.current == 1 and chosen[482:546] == [1] * 64  # until depth 0's first probe
+        assert probes[:4] == [464, 465, 498, 499]
+        assert policy.current == 1 and chosen[498:562] == [1] * 64  # until depth 0's first probe
     else:
         assert policy.current == 0 and probes == [464, 465]
 

@@ -67,7 +67,7 @@ whatever its wait and however far behind its median puts it: two more timings ou
 ones. That wait too doubles after each probe the depth loses: where depths tie within the noise of
 one timing (K=0, K=1 and K=2 at B=4 here), some depth's last timing beats the current one's cost
 most of the time, and probes every close_probe_every steps, each two changes of depth, cost auto
-about a point (benchmarks/README.md, "Probes of a near tie's fast timing"). Across depth 0 such a
+0.7 points there (benchmarks/README.md, "Probes of a near tie's fast timing"). Across depth 0 such a
 probe runs a catch-up, so there the last timing must beat the current depth by the margin a change
 needs: where depths nearly tie with K=0 a step (B=4 here), one fast timing each would have them
 probed every 16 steps, a catch-up each.

@@ -61,7 +61,7 @@ def autos_at(systems: BenchSystems, revs: list[str]) -> dict[str, Runtime]:
 def fresh_autos(runtimes: dict[int | str, Runtime], groups: list[list[list[int]]], params) -> None:
     """Every auto runtime's policy started afresh (of its own class) and warmed up as the bench's."""
     for rt in runtimes.values():
-        if rt._depth == "auto":
+        if rt.mtp_depth == "auto":
             rt._policy = type(rt._policy)(rt._policy.depths)
             warm_up(rt, groups, params)
 

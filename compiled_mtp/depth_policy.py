@@ -84,9 +84,9 @@ several requests costs its whole time beyond a depth-0 step: the batch ends with
 which the probe's step moves on by one token, as a depth-0 step would, unless every request has a
 draft accepted; the other requests' extra tokens end no step sooner. The other depths' probes share
 one probe_share between them, so that holding a depth costs the same whatever the depths captured.
-probe_most bounds how stale a cost may grow, well above the waits the loss rule asks for where a
-deeper depth loses by far (about 4000 steps for K=2 and K=3 at B=8 here): at 512 steps, those two
-probes, each a catch-up and two steps of 3-4 depth-0 steps' time, cost auto a point at B=8
+probe_most bounds how stale a cost may grow. Where a deeper depth loses by far, the loss rule asks
+for more (3000-4000 steps for K=2 and K=3 at B=8 here), and a bound of 512 steps, those two probes
+each a catch-up and two steps of 3-4 depth-0 steps' time, cost auto a point more than 2048 there
 (benchmarks/README.md, "Probes of a near tie's fast timing").
 
 Working a choice out takes tens of microseconds of Python at a large batch, about 2% of its step.

@@ -62,15 +62,15 @@ whose requests want fewer tokens than a deeper step drafts, change the depth to 
 lone request's rates move it to a shallower depth in hard text and back, every few dozen steps at
 B=1, without any probe lost or won.
 
-A depth whose last timing alone would beat the current one is probed every close_probe_every steps,
-whatever its wait and however far behind its median puts it: two more timings outvote the older
-ones. That wait too doubles after each probe the depth loses: where depths tie within the noise of
-one timing (K=0, K=1 and K=2 at B=4 here), some depth's last timing beats the current one's cost
-most of the time, and probes every close_probe_every steps, each two changes of depth, cost auto
-0.7 points there (benchmarks/README.md, "Probes of a near tie's fast timing"). Across depth 0 such a
-probe runs a catch-up, so there the last timing must beat the current depth by the margin a change
-needs: where depths nearly tie with K=0 a step (B=4 here), one fast timing each would have them
-probed every 16 steps, a catch-up each.
+A depth whose last timing alone would beat the current one waits no longer than a lone near tie
+would, close_probe_every steps doubled for each probe it lost in a row, however far behind its median
+puts it: two more timings outvote the older ones. Not doubled, that wait cost auto 0.7 points where
+depths tie within the noise of one timing (K=0, K=1 and K=2 at B=4 here): some depth's last timing
+beats the current one's cost most of the time, and its probes came every close_probe_every steps,
+each two changes of depth (benchmarks/README.md, "Probes of a near tie's fast timing"). Across
+depth 0 such a probe runs a catch-up, so there the last timing must beat the current depth by the
+margin a change needs: where depths nearly tie with K=0 a step (B=4 here), one fast timing each
+would have them probed every 16 steps, a catch-up each.
 Of the depths due, the most valuable runs first.
 
 A probe of a depth far behind costs more: its steps take longer than the current depth would for the
@@ -85,8 +85,8 @@ which the probe's step moves on by one token, as a depth-0 step would, unless ev
 draft accepted; the other requests' extra tokens end no step sooner. The other depths' probes share
 one probe_share between them, so that holding a depth costs the same whatever the depths captured.
 probe_most bounds how stale a cost may grow. Where a deeper depth loses by far, the loss rule asks
-for more (3000-4000 steps for K=2 and K=3 at B=8 here), and a bound of 512 steps, those two probes
-each a catch-up and two steps of 3-4 depth-0 steps' time, cost auto a point more than 2048 there
+for more: 3000-4000 steps for K=2 and K=3 at B=8 here, each probe a catch-up and two steps of 3-4
+depth-0 steps' time. Bounded at 512 steps, those probes cost auto a point more than at 2048 there
 (benchmarks/README.md, "Probes of a near tie's fast timing").
 
 Working a choice out takes tens of microseconds of Python at a large batch, about 2% of its step.

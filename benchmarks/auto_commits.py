@@ -32,7 +32,7 @@ from auto_trace import BenchSystems, add_system_arguments, warm_up
 
 from compiled_mtp.bench import timed_generate, turns
 from compiled_mtp.depth_policy import DepthPolicy
-from compiled_mtp.runtime import Runtime
+from compiled_mtp.runtime import Runtime, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,7 +58,9 @@ def autos_at(systems: BenchSystems, revs: list[str]) -> dict[str, Runtime]:
     return out
 
 
-def fresh_autos(runtimes: dict[int | str, Runtime], groups: list[list[list[int]]], params) -> None:
+def fresh_autos(
+    runtimes: dict[int | str, Runtime], groups: list[list[list[int]]], params: SamplingParams
+) -> None:
     """Every auto runtime's policy started afresh (of its own class) and warmed up as the bench's."""
     for rt in runtimes.values():
         if rt.mtp_depth == "auto":
@@ -90,11 +92,11 @@ def main() -> None:
         if trial:
             fresh_autos(runtimes, groups, params)
         before = {k: Counter(rt.stats()["depth_histogram"]) for k, rt in runtimes.items()}
-        for k in runtimes:
-            seconds[k] += [0.0] * args.rounds
+        trial_seconds = {k: [0.0] * args.rounds for k in runtimes}
         for r, group, k in turns(list(runtimes), groups, args.rounds):
-            seconds[k][trial * args.rounds + r] += timed_generate(runtimes[k], group, params).decode_seconds
+            trial_seconds[k][r] += timed_generate(runtimes[k], group, params).decode_seconds
         for k, rt in runtimes.items():
+            seconds[k] += trial_seconds[k]
             steps[k] += Counter(rt.stats()["depth_histogram"]) - before[k]
     rounds = args.rounds * args.trials
     tokens = sum(map(len, groups)) * (params.max_new_tokens - 1)

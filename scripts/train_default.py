@@ -4,14 +4,19 @@ What it trains
     A byte-level BPE tokenizer (`tokenizers`, 4096 ids, `<|endoftext|>` = id 0 = bos = eos) and a
     DeepSeek-V3 model built from the engine's own model code (`compiled_mtp.models.deepseek_v3`):
     12 target layers of MLA (q_lora_rank 128, kv_lora_rank 64, 4 heads) with hidden size 256, the first
-    11 dense (intermediate size 1024) and the last one MoE (8 routed experts in 4 groups, top-2 from the
+    11 dense (intermediate size 1792) and the last one MoE (8 routed experts in 4 groups, top-2 from the
     best 2 groups, sigmoid scores with `e_score_correction_bias`, one shared expert), plus one MoE MTP
     layer (DeepSeek-V3's NextN layer: `eh_proj(cat[enorm(embed(t_{i+1})), hnorm(h_i)])`, a decoder
-    block, `shared_head.norm`, the target's lm_head). 14.31M parameters (1.15M of them in the MTP
+    block, `shared_head.norm`, the target's lm_head). 20.80M parameters (1.15M of them in the MTP
     layer), 256-token training windows. The target is deep and the MTP layer small so that a draft
     step reads a small share of what a target forward reads (with the 1024-token draft vocabulary,
-    0.07), as in DeepSeek-V3 (about 0.04). It also writes the token ranking for `draft_vocab`
-    (draft_vocab.json), counted on the training files.
+    0.05), as in DeepSeek-V3 (about 0.04). The dense MLPs are as wide as the 48 MB budget allows, so
+    that a target forward reads about 36 MB of bfloat16 weights, more than a 32 MiB last-level cache
+    holds, as a real model's weights stream from memory: at intermediate size 1024 (23 MB a forward)
+    they stayed in the cache, where each verify row beyond the first costs arithmetic, and no depth
+    reached 1.8x K=0 at B=1 on a Zen 4 (benchmarks/README.md, "Run 95, the default model widened").
+    It also writes the token ranking for `draft_vocab` (draft_vocab.json), counted on the training
+    files.
 
 Data
     The Python standard library's own source: every `*.py` under `sysconfig.get_paths()["stdlib"]`,
@@ -45,22 +50,22 @@ How
     (`--threads`, default 2), so a rerun on the same machine, Python and thread count gives the same
     checkpoint.
 
-How long (phases 1 and 2 measured on the 2 cores of an AMD EPYC VM, phase 3 on an Intel Xeon's)
-    tokenizer and data 11 s; phase 1 38.6 min (1000 steps x 8 x 256 tokens = 2.05M tokens, ~0.6 epoch,
-    ~880 tokens/s; 28.3 min in an earlier run on the same machine type); phase 2 13.8 min (500 steps, 3
-    depths); phase 3 5.0 min (800 continuations of 32 + 128 tokens, 2.0 min; 200 steps, 2.9 min, two
-    passes over them; two saves and reloads); the final measurement 1.2 min; a held-out evaluation
-    (about 6 s) every `--eval-every` 250 steps. 58 min in all with phase 1's longer time, 48 with its
-    shorter. The run writes train_log.json next to the checkpoint (loss curves, acceptance, samples,
-    timings; `from` names the checkpoint a --from run started on).
+How long (the shipped run, on the 2 cores of an AMD EPYC of the Zen 4 generation)
+    tokenizer and data 7 s; phase 1 32.5 min (1000 steps x 8 x 256 tokens = 2.05M tokens, ~0.6 epoch,
+    ~1050 tokens/s); phase 2 10.0 min (500 steps, 3 depths); phase 3 about 4 min (800 continuations
+    of 32 + 128 tokens; 200 steps, 2.5 min, two passes over them; two saves and reloads); the final
+    measurement 1.2 min; a held-out evaluation (about 6 s) every `--eval-every` 250 steps. 47.9 min in
+    all. Machines of this kind differ by up to 1.4x: the previous default, with MLPs of 1024, took 48
+    to 58 min on them. The run writes train_log.json next to the checkpoint (loss curves, acceptance,
+    samples, timings; `from` names the checkpoint a --from run started on).
 
 Result (train_log.json)
-    Held-out target CE 3.60 nats/token (3.48 bytes/token), MTP CE 3.62; teacher-forced MTP/target argmax
-    agreement on held-out text 0.78; greedy K=1 draft acceptance 0.866 on 24 held-out prefixes x 64 new
-    tokens (K=2: 1.65 accepted per step, K=3: 2.25, per position 0.87, 0.74, 0.64). The checkpoint of
-    phases 1 and 2 alone, shipped before phase 3 was added, measured K=1 0.834 and K=3 2.14 (0.85,
-    0.71, 0.58), and agreement 0.79: on the target's own text phase 3 moves the drafts by 2 to 7
-    points a position, where 200 more steps of phase 2 on training text moved them by -2 to +3
+    Held-out target CE 3.58 nats/token (3.48 bytes/token), MTP CE 3.62; teacher-forced MTP/target argmax
+    agreement on held-out text 0.79; greedy K=1 draft acceptance 0.896 on 24 held-out prefixes x 64 new
+    tokens (K=2: 1.67 accepted per step, K=3: 2.40, per position 0.88, 0.80, 0.71). The previous
+    default (MLPs of 1024, 14.31M parameters, the same steps) measured K=1 0.866 and K=3 2.25 (0.87,
+    0.74, 0.64). On the target's own text phase 3 moved that model's drafts by 2 to 7 points a
+    position, where 200 more steps of phase 2 on training text moved them by -2 to +3
     (benchmarks/README.md, "Phase 3").
 
 Run
@@ -68,7 +73,7 @@ Run
     python scripts/train_default.py --from DIR     # phase 3 alone, on DIR's checkpoint of phases 1 and 2
     A smoke test, about 6 min here: --out /tmp/m --steps 50 --distill-steps 10 --continuation-steps 10
     --continuation-prompts 80.
-    The shipped checkpoint is d3ed54c's (phases 1 and 2) taken through phase 3 by --from.
+    The shipped checkpoint is one run of all three phases, with the defaults.
 """
 
 from __future__ import annotations
@@ -136,7 +141,7 @@ CONFIG: dict = {
     "hidden_act": "silu",
     "vocab_size": 4096,
     "hidden_size": 256,
-    "intermediate_size": 1024,
+    "intermediate_size": 1792,
     "moe_intermediate_size": 128,
     "num_hidden_layers": 12,
     "num_nextn_predict_layers": 1,

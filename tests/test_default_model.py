@@ -34,11 +34,11 @@ EOT = "<|endoftext|>"
 LOG = json.loads((DEFAULT / "train_log.json").read_text())
 PROMPT = LOG["samples"][0]["prompt"]
 # Regression guards, half of what the shipped model measured (fp32 compute from its bf16 weights). On held-out
-# stdlib prefixes scripts/train_default.py measured K=1 acceptance 0.866 (train_log.json). With the MTP layer
+# stdlib prefixes scripts/train_default.py measured K=1 acceptance 0.896 (train_log.json). With the MTP layer
 # re-initialised, or eh_proj's concat order swapped, both numbers fall below 0.05.
-MEASURED_ON_PROMPT = 0.853  # K=1 greedy acceptance over 64 new tokens after PROMPT
-MIN_ACCEPTANCE = 0.42
-MEASURED_AGREEMENT = 0.893  # teacher-forced MTP/target argmax agreement on PROMPT itself
+MEASURED_ON_PROMPT = 0.969  # K=1 greedy acceptance over 64 new tokens after PROMPT
+MIN_ACCEPTANCE = 0.48
+MEASURED_AGREEMENT = 0.874  # teacher-forced MTP/target argmax agreement on PROMPT itself
 MIN_AGREEMENT = 0.44
 
 

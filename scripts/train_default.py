@@ -11,12 +11,9 @@ What it trains
     layer), 256-token training windows. The target is deep and the MTP layer small so that a draft
     step reads a small share of what a target forward reads (with the 1024-token draft vocabulary,
     0.05), as in DeepSeek-V3 (about 0.04). The dense MLPs are as wide as the 48 MB budget allows, so
-    that a target forward reads about 36 MB of bfloat16 weights, more than a 32 MiB last-level cache
-    holds, as a real model's weights stream from memory: at intermediate size 1024 (23 MB a forward)
-    they stayed in the cache, where each verify row beyond the first costs arithmetic, and no depth
-    reached 1.8x K=0 at B=1 on a Zen 4 (benchmarks/README.md, "Run 95, the default model widened").
-    It also writes the token ranking for `draft_vocab` (draft_vocab.json), counted on the training
-    files.
+    that a target forward reads more than a CPU's last-level cache holds, as a real model's weights
+    do (docs/design.md, "The default model"). It also writes the token ranking for `draft_vocab`
+    (draft_vocab.json), counted on the training files.
 
 Data
     The Python standard library's own source: every `*.py` under `sysconfig.get_paths()["stdlib"]`,

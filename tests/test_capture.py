@@ -21,9 +21,10 @@ import pytest
 import torch
 
 from compiled_mtp import Runtime, SamplingParams
-from compiled_mtp.capture import aot, weight_copies
+from compiled_mtp.capture import aot, parallel, weight_copies
 from compiled_mtp.capture.aot import environment
 from compiled_mtp.capture.cache import GraphCache
+from compiled_mtp.capture.compiler import progress
 from compiled_mtp.capture.profile import PROFILES, ProfileError, load_profile
 from compiled_mtp.graphs.plan import GraphKey, GraphKind, example_inputs, graph_keys
 from compiled_mtp.graphs.state import StaticState
@@ -474,6 +475,24 @@ def test_packages_with_their_own_libstdcxx_are_refused(captured, checkpoints, tm
     artifacts = GraphCache(cache).artifacts(environment)
     assert len(artifacts) == 3 and all(a.status == "valid" for a in artifacts)
     assert not [p for p in cache.iterdir() if p.name.startswith(".")]
+
+
+def test_readying_some_graphs_counts_those_in_its_progress(captured, checkpoints, tmp_path, caplog):
+    """The demo readies the batch-1 graphs of a runtime that has more: its progress lines count the
+    graphs it readies, not every graph the runtime might call."""
+    cache = _copy(captured[0], tmp_path / "cache")
+    _package(cache, "target_verify").unlink()
+    rt = _runtime(checkpoints[0], cache)
+    assert len(rt.graphs.keys) == 4
+    progress.addHandler(caplog.handler)
+    try:
+        parallel.ready(rt, [PREFILL, VERIFY_K2])
+    finally:
+        progress.removeHandler(caplog.handler)
+    lines = [r.getMessage() for r in caplog.records if r.name == progress.name]
+    assert lines == [f"building target_verify/B1/K2 into {cache} (1 of 2 graphs ready)"], lines
+    assert rt.graphs.compiles == 1 and rt.graphs.loads == 1
+    assert _generate(rt)[0] == _reference(rt.model)
 
 
 def test_stale_artifacts_are_reported_and_rebuilt(captured, checkpoints, tmp_path, caplog):

@@ -18,7 +18,7 @@ import logging
 import time
 import types
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +69,8 @@ def _first_line(error: Exception) -> str:
 class CompiledGraphs:
     """The graphs of one runtime. `compiles` counts graphs built in this process (compiled in place,
     or built and stored into the cache), `loads` those taken from the cache. `keys` are the graphs the
-    runtime may call, for the progress lines' count of those still to come."""
+    runtime may call, for the progress lines' count of those still to come, unless `prepare_each` is
+    readying some of them: then those."""
 
     def __init__(
         self,
@@ -103,6 +104,7 @@ class CompiledGraphs:
             self.cache = None
         self._graphs: dict[GraphKey, Callable] = {}
         self.keys = keys
+        self._counted = keys  # what the progress lines count
         self.replays: Counter[GraphKey] = Counter()
         self.compiles = 0
         self.loads = 0
@@ -147,15 +149,28 @@ class CompiledGraphs:
             self._building(key)
         out = self.prepare(key, inputs)(*inputs)
         if builds or self.compiles > compiles:
-            left = {*self.keys} - {key} - self._ready()
+            left = {*self._counted} - {key} - self._ready()
             progress.info(
                 "built %s in %.1f s; %d of %d graphs left",
                 key.name,
                 time.perf_counter() - start,
                 len(left),
-                len(self.keys),
+                len(self._counted),
             )
         return out
+
+    def prepare_each(
+        self, keys: Sequence[GraphKey], inputs: Callable[[GraphKey], tuple[torch.Tensor, ...]]
+    ) -> None:
+        """`prepare` each of `keys`, in order, its step tensors shaped like `inputs(key)`. The progress
+        lines count these keys: a command that readies some of the runtime's graphs says how many of
+        those are ready, not of every graph it might call later."""
+        self._counted = tuple(keys)
+        try:
+            for key in keys:
+                self.prepare(key, inputs(key))
+        finally:
+            self._counted = self.keys
 
     def prepare(self, key: GraphKey, inputs: tuple[torch.Tensor, ...]) -> Callable:
         """The callable of `key`, taking step tensors shaped like `inputs`. With a cache it is loaded
@@ -170,9 +185,8 @@ class CompiledGraphs:
 
     def _building(self, key: GraphKey) -> None:
         where = f"into {self.cache.root}" if self.cache else "in this process"
-        progress.info(
-            "building %s %s (%d of %d graphs ready)", key.name, where, len(self._ready()), len(self.keys)
-        )
+        ready = len(self._ready() & {*self._counted})
+        progress.info("building %s %s (%d of %d graphs ready)", key.name, where, ready, len(self._counted))
 
     def _build(self, key: GraphKey) -> Callable:
         if self.backend == "eager":

@@ -71,8 +71,7 @@ def helpers(
 
 def ready(rt: Any, keys: list[GraphKey]) -> None:
     """Load or build the graphs of `keys`, in order."""
-    for key in keys:
-        rt.graphs.prepare(key, example_inputs(key, rt.model, rt.prefill_chunk))
+    rt.graphs.prepare_each(keys, lambda key: example_inputs(key, rt.model, rt.prefill_chunk))
 
 
 def _helper(model: str, options: dict[str, Any], keys: list[GraphKey], index: int, processes: int) -> None:

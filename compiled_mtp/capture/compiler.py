@@ -69,8 +69,8 @@ def _first_line(error: Exception) -> str:
 class CompiledGraphs:
     """The graphs of one runtime. `compiles` counts graphs built in this process (compiled in place,
     or built and stored into the cache), `loads` those taken from the cache. `keys` are the graphs the
-    runtime may call, for the progress lines' count of those still to come, unless `prepare_each` is
-    readying some of them: then those."""
+    runtime may call, for the progress lines' count of those still to come; graphs readied together
+    (`prepare_each`) count those instead."""
 
     def __init__(
         self,
@@ -149,13 +149,13 @@ class CompiledGraphs:
             self._building(key)
         out = self.prepare(key, inputs)(*inputs)
         if builds or self.compiles > compiles:
-            left = {*self._counted} - {key} - self._ready()
+            left = {*self.keys} - {key} - self._ready()
             progress.info(
                 "built %s in %.1f s; %d of %d graphs left",
                 key.name,
                 time.perf_counter() - start,
                 len(left),
-                len(self._counted),
+                len(self.keys),
             )
         return out
 

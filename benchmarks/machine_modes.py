@@ -1,10 +1,10 @@
 """Decode steps at two depths, round by round, beside the cores' rate on a small product.
 
 Why a bench run's ratio of depths moves between runs: the machine's state changes every few seconds,
-and a deeper step, whose verify is arithmetic on several rows, feels it where a K=0 step barely does.
-Each round times one B=1 generation at each depth (its decode steps alone: a generation of
-`--new-tokens` less one of a single token, the same prompt) and then a 16-row product on a weight
-that fits a core's cache, and a read of 64 MB. Rounds are then grouped by the product's rate.
+and a deeper step, whose verify is arithmetic on several rows, feels it where a K=0 step barely
+does. Each round times one B=1 generation at each depth (its decode steps alone, as the bench times
+them) and then a 16-row product on a weight that fits a core's cache, and a read of 64 MB. Rounds
+are then grouped by the product's rate.
 
     python benchmarks/machine_modes.py [--depths 0 3] [--rounds 400] [--split 95] [--cache-dir DIR]
 """
@@ -13,33 +13,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from compiled_mtp import DEFAULT_MODEL, Runtime, SamplingParams
-from compiled_mtp.bench import bench_prompts
-
-
-def best_seconds(call: Callable[[], object], runs: int) -> float:
-    """The fastest of `runs` calls."""
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
-def step_ms(runtime: Runtime, prompt: list[int], new_tokens: int) -> float:
-    """Milliseconds per decode step of one generation: its time less a one-token generation's."""
-    one, full = (SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in (1, new_tokens))
-    runtime.reset_stats()
-    whole = best_seconds(lambda: runtime.generate([prompt], full), 1)
-    steps = runtime.stats()["decode_steps"]
-    return 1e3 * (whole - best_seconds(lambda: runtime.generate([prompt], one), 1)) / steps
+from compiled_mtp.bench import _best_of, bench_prompts, resident_bandwidth, timed_generate
 
 
 def main() -> None:
@@ -58,14 +37,18 @@ def main() -> None:
     }
     vocab = runtimes[args.depths[0]].model.cfg.vocab_size
     prompts = bench_prompts(Path(DEFAULT_MODEL), vocab, 8, 64).token_ids
-    x, weight, data = torch.randn(16, 512), torch.randn(512, 512), torch.ones(16 << 20)
+    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    x, weight = torch.randn(16, 512), torch.randn(512, 512)
     rows = []
     for r in range(args.rounds + 1):  # the first round warms up
-        steps = [step_ms(runtimes[k], prompts[r % len(prompts)], args.new_tokens) for k in args.depths]
+        steps = []
+        for k in args.depths:
+            timing = timed_generate(runtimes[k], [prompts[r % len(prompts)]], params)
+            steps.append(1e3 * timing.decode_seconds / timing.decode_steps)
         product = (
-            2 * 50 * x.shape[0] * weight.numel() / best_seconds(lambda: [x @ weight for _ in range(50)], 5)
+            2 * 50 * x.shape[0] * weight.numel() / _best_of(5, "cpu", lambda: [x @ weight for _ in range(50)])
         )
-        read = data.nbytes / best_seconds(data.sum, 3)
+        read = resident_bandwidth("cpu", 64 << 20, runs=3)
         if r:
             rows.append((*steps, product / 1e9, read / 1e9))
     low, high = args.depths

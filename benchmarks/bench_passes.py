@@ -18,7 +18,10 @@
    A random model's drafts are never accepted, so tokens/s are SIMULATED: each step's time is
    measured (graphs have static shapes, so it does not depend on acceptance) and multiplied by the
    tokens per step the shipped model commits at that K on held-out text (1 + its accepted drafts per
-   step, from its train_log.json), as SGLang's SIMULATE_ACC_LEN does with a typed-in figure. Also,
+   step, from its train_log.json), as SGLang's SIMULATE_ACC_LEN does with a typed-in figure. Beside
+   each depth's speedup over K=0, its bandwidth bound's: the same tokens a step, were each step as
+   fast as its weight bytes allow (a K-step's verify reads each layer's routed experts once over its
+   K + 1 rows, which route to more experts than one row, plus K draft steps). Also,
    timed in turns: one draft step (draft_decode at K=3, per step) drafting from the whole vocabulary
    against drafting from its most frequent quarter (draft_vocab), and
    turns: one target_verify at K=3 (4 rows) against one at K=0 (a plain decode step), as routed
@@ -54,13 +57,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from compiled_mtp import Runtime  # noqa: E402
-from compiled_mtp.bench import timed_generate  # noqa: E402
+from compiled_mtp.bench import step_sizes, timed_generate  # noqa: E402
 from compiled_mtp.capture.compiler import own_code  # noqa: E402
 from compiled_mtp.graphs import steps  # noqa: E402
 from compiled_mtp.graphs.plan import GraphKey, GraphKind, step_plan  # noqa: E402
 from compiled_mtp.graphs.sampling import verify_sample  # noqa: E402
 from compiled_mtp.models.checkpoint import load_model  # noqa: E402
 from compiled_mtp.models.deepseek_v3 import Experts, Router  # noqa: E402
+from compiled_mtp.models.family import CausalLM  # noqa: E402
 from compiled_mtp.models.synthetic import preset_config, write_random_checkpoint  # noqa: E402
 from compiled_mtp.passes.manager import available, inductor_options, without  # noqa: E402
 from compiled_mtp.runtime import DTYPES, SamplingParams  # noqa: E402
@@ -218,8 +222,14 @@ def bench_e2e(args: argparse.Namespace) -> dict:
             for k, rt in runtimes.items():
                 t = timed_generate(rt, [prompt], sampling)
                 step_ms[k] = min(step_ms[k], 1e3 * t.decode_seconds / t.decode_steps)
+        for k in runtimes.keys() - result["verify_weight_mb"].keys():  # same routing with or without passes
+            result["verify_weight_mb"][k] = {
+                how: n / 1e6 for how, n in verify_weight_bytes(runtimes[k], k, args).items()
+            }
+        bound = bandwidth_speedups(result["verify_weight_mb"], draft_step_mb(model), per_step)
         for k, ms in step_ms.items():
             tokens = per_step[k]
+            speedup = tokens / ms * step_ms[0] if 0 in step_ms else None
             result["rows"].append(
                 {
                     "passes": name,
@@ -227,21 +237,20 @@ def bench_e2e(args: argparse.Namespace) -> dict:
                     "step_ms": ms,
                     "simulated_tokens_per_step": tokens,
                     "simulated_tok_s": 1e3 * tokens / ms,
+                    "bound_speedup": bound.get(k),
                     "compile_s": compile_s[k],
                 }
             )
-            speedup = f", {tokens / ms * step_ms[0]:.2f}x K=0" if 0 in step_ms else ""
+            versus = (
+                f", {speedup:.2f}x K=0 of a bound of {bound[k]:.2f}x ({speedup / bound[k]:.0%})"
+                if speedup is not None and k in bound
+                else ""
+            )
             print(
                 f"  passes {name:3s} K={k}: {ms:7.1f} ms/step, simulated {1e3 * tokens / ms:6.1f} "
-                f"tok/s{speedup} (compile {compile_s[k]:.0f} s)",
+                f"tok/s{versus} (compile {compile_s[k]:.0f} s)",
                 flush=True,
             )
-        for k in {0, 3} & runtimes.keys() - result[
-            "verify_weight_mb"
-        ].keys():  # same routing with or without passes
-            result["verify_weight_mb"][k] = {
-                how: n / 1e6 for how, n in verify_weight_bytes(runtimes[k], k, args).items()
-            }
         if args.steps_only:
             continue
         if name == "on" and 3 in runtimes:
@@ -420,6 +429,28 @@ def verify_weight_bytes(rt: Runtime, k: int, args: argparse.Namespace) -> dict[s
             idx.numel() if layer_experts.gathers(*idx.shape, idx.device) else n_experts
         )
     return read
+
+
+def draft_step_mb(model: CausalLM) -> list[float]:
+    """MB one draft step reads per MTP layer (its layer with a row's routed experts, and the head),
+    each weight counted by its own bytes, as verify_weight_bytes counts the target's."""
+    _, drafts = step_sizes(model, lambda w: w.nbytes, model.model.embed_tokens.weight[0].nbytes)
+    return [n / 1e6 for n in drafts]
+
+
+def bandwidth_speedups(
+    verify_mb: dict[int, dict[str, float]], draft_mb: list[float], tokens: dict[int, float]
+) -> dict[int, float]:
+    """Each depth's speedup over K=0 were every step bound by its weight bytes: a K=0 step reads its
+    verify's, a K-step its verify's over K + 1 rows (each layer's routed experts once) and K draft
+    steps' (depth j drafting with MTP layer j % layers), and commits `tokens[K]`."""
+    if 0 not in verify_mb:
+        return {}
+    base = verify_mb[0]["routed"]
+    return {
+        k: tokens[k] * base / (mb["routed"] + sum(draft_mb[j % len(draft_mb)] for j in range(k)))
+        for k, mb in verify_mb.items()
+    }
 
 
 def lm_head_ms(model: torch.nn.Module, passes: tuple[str, ...], runs: int) -> dict[int, float]:

@@ -569,7 +569,7 @@ def _layer_size(layer: torch.nn.Module, num_experts_per_tok: int, size: Callable
     return total
 
 
-def _step_sizes(model: CausalLM, size: Callable[[torch.Tensor], int], row: int) -> tuple[int, list[int]]:
+def step_sizes(model: CausalLM, size: Callable[[torch.Tensor], int], row: int) -> tuple[int, list[int]]:
     """`size` summed over what one target forward reads, and one draft step per MTP layer: `row` for its
     embedding row, its layers, the final norm and the LM head (a draft step: the draft head of a
     restricted draft vocabulary)."""
@@ -587,7 +587,7 @@ def weight_bytes(model: CausalLM) -> tuple[int, list[int]]:
     """(bytes one target forward reads, bytes one draft step reads per MTP layer), as the engine's
     kernels read them (after the runs, which made the ops' panels and the graphs' bfloat16 copies):
     a weight's bfloat16 copy's (weight_copies.py), else `library.read_bytes`."""
-    return _step_sizes(model, _read_bytes, model.model.embed_tokens.weight[0].nbytes)
+    return step_sizes(model, _read_bytes, model.model.embed_tokens.weight[0].nbytes)
 
 
 def _read_bytes(weight: torch.Tensor) -> int:
@@ -603,7 +603,7 @@ def weight_flops(model: CausalLM) -> tuple[int, list[int], int]:
     draft step's head), per row: a multiply and an add per matrix element. The embedding row is read,
     not multiplied."""
     head = model.lm_head if model.draft_head is None else model.draft_head
-    return *_step_sizes(model, _matrix_flops, 0), _matrix_flops(head.weight)
+    return *step_sizes(model, _matrix_flops, 0), _matrix_flops(head.weight)
 
 
 def copy_bandwidth(device: str, megabytes: int, runs: int = 5) -> float:

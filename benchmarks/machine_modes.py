@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from compiled_mtp import DEFAULT_MODEL, Runtime, SamplingParams
-from compiled_mtp.bench import _best_of, bench_prompts, resident_bandwidth, timed_generate
+from compiled_mtp.bench import bench_prompts, best_of, resident_bandwidth, timed_generate
 
 
 def main() -> None:
@@ -46,7 +46,7 @@ def main() -> None:
             timing = timed_generate(runtimes[k], [prompts[r % len(prompts)]], params)
             steps.append(1e3 * timing.decode_seconds / timing.decode_steps)
         product = (
-            2 * 50 * x.shape[0] * weight.numel() / _best_of(5, "cpu", lambda: [x @ weight for _ in range(50)])
+            2 * 50 * x.shape[0] * weight.numel() / best_of(5, "cpu", lambda: [x @ weight for _ in range(50)])
         )
         read = resident_bandwidth("cpu", 64 << 20, runs=3)
         if r:

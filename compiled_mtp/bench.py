@@ -503,7 +503,7 @@ def peer_run(
 # ------------------------------------------------------------------------------------------ HF
 
 
-def _best_of(runs: int, device: str, fn: Callable[[], object]) -> float:
+def best_of(runs: int, device: str, fn: Callable[[], object]) -> float:
     """Seconds of the fastest of `runs` calls, after one warm-up call."""
     fn()
     times = []
@@ -523,7 +523,7 @@ def bench_hf(path: Path, prompts: list[list[int]], args: argparse.Namespace) -> 
     n = args.new_tokens
     rows = []
     for b in args.batch_sizes:
-        seconds = _best_of(args.runs, args.device, partial(hf_baseline.hf_generate, model, prompts[:b], n))
+        seconds = best_of(args.runs, args.device, partial(hf_baseline.hf_generate, model, prompts[:b], n))
         rows.append(HFRun("generate", 0, b, b * n / seconds, seconds))
         print(f"  HF generate B={b}: {rows[-1].tokens_per_s:.1f} tok/s", flush=True)
     k = model.config.num_nextn_predict_layers
@@ -532,7 +532,7 @@ def bench_hf(path: Path, prompts: list[list[int]], args: argparse.Namespace) -> 
         print(f"  no HF generate(use_mtp=True) row: HF transformers does not run {family.name}'s MTP layer")
     elif k and max(args.depths) > 0:
         outputs = []
-        seconds = _best_of(
+        seconds = best_of(
             args.runs, args.device, lambda: outputs.append(hf_baseline.hf_mtp_generate(model, prompts[0], n))
         )
         accepted = outputs[-1][1]  # greedy: every run accepts the same drafts
@@ -625,7 +625,7 @@ def gemm_rate(device: str, dtype: torch.dtype, n: int = 1024, runs: int = 5) -> 
     """Float operations per second of the fastest of `runs` [n, n] x [n, n] products: what the cores
     reach on arithmetic that reuses every weight n times."""
     a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
-    return 2 * n**3 / _best_of(runs, device, partial(torch.mm, a, b))
+    return 2 * n**3 / best_of(runs, device, partial(torch.mm, a, b))
 
 
 def first_depth_bytes(target: int, mtp: list[int]) -> int:
@@ -638,7 +638,7 @@ def resident_bandwidth(device: str, nbytes: int, runs: int = 5) -> float:
     what a step that reads `nbytes` of weights at every step can hope for where they fit the cache and
     stay there between steps. Where they do not fit, memory's speed."""
     data = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
-    return data.nbytes / _best_of(runs, device, data.sum)
+    return data.nbytes / best_of(runs, device, data.sum)
 
 
 def bandwidth_bound(
@@ -662,7 +662,7 @@ def tile_rate(device: str, dtype: torch.dtype, runs: int = 5) -> tuple[int, floa
         return 0, 0.0
     x, weight = torch.randn(16, 1024), torch.randn(512, 1024).bfloat16().float()
     product = partial(torch.ops.compiled_mtp.panel_linear, x, weight)
-    return rows, 2 * x.shape[0] * weight.numel() / _best_of(runs, device, product)
+    return rows, 2 * x.shape[0] * weight.numel() / best_of(runs, device, product)
 
 
 def add_roofline(

@@ -27,14 +27,16 @@ What it measures (greedy decoding throughout, the same prompts for every system)
   llama.cpp without the MTP graph leaves those rows out with a one-line note;
 - the memory-bandwidth bound: weight bytes one step must read, as the engine's kernels read them (a
   weight the C++ ops read from bfloat16 panels, or the graphs from a bfloat16 copy, counts half its
-  float32 bytes, at every step): the target's
-  parameters, counting one embedding row and only the shared plus `num_experts_per_tok` routed
-  experts of a MoE layer, plus per draft step the MTP layer's, the shared LM head and one embedding
-  row; over the measured bandwidth they give the most steps per second; times B and the row's
-  acceptance length it bounds tokens/s. The bandwidth is the faster of a large copy's (memory's, as
-  STREAM's Copy counts it) and a warm read of as many bytes as a K=1 step reads: a decode reads the
-  same weights at every step, so where they fit the last-level cache they stay there, and the cache's
-  speed bounds a step;
+  float32 bytes, at every step): the target's parameters, counting one embedding row and of a MoE
+  layer's routed experts only those the step's rows are routed to, plus per draft step the MTP
+  layer's, the shared LM head and one embedding row. A K-step at B runs B (K + 1) rows through the
+  target's verify and the draft extend's MTP layer and B through each later draft step; rows routed
+  apart read the union of their experts, which an eager pass over the prompts measures
+  (expert_reads.py). Over the measured bandwidth the bytes give the most steps per second; times B
+  and the row's acceptance length they bound tokens/s. The bandwidth is the faster of a large copy's
+  (memory's, as STREAM's Copy counts it) and a warm read of as many bytes as a K=1 step of one row
+  reads: a decode reads the same weights at every step, so where they fit the last-level cache they
+  stay there, and the cache's speed bounds a step;
 - the roofline: the same bytes, and the multiply-adds of those weights (2 per element of every
   matrix, per row: B (K + 1) rows of the target's verify and the draft extend, B of each later draft
   step; attention over the cache not counted) at the rate a large torch.mm reaches on the same
@@ -52,8 +54,9 @@ every system at batch B generates the first `--timed-prompts` prompts (rounded u
 B), B at a time, so that a B = 1 row's speed rests on the acceptance of several prompts, not one; the
 acceptance measurement takes the first `--accept-prompts`.
 
-Results go to OUT/bench-<device type>.json (the dataclasses below, as dicts; `bound.steps_per_s` is
-keyed by K as a string, `bound.roofline_steps_per_s` by "K/B") and a plot to OUT/bench-<device type>.png.
+Results go to OUT/bench-<device type>.json (the dataclasses below, as dicts; `bound.steps_per_s`,
+`bound.roofline_steps_per_s`, `bound.routed_bytes` and `bound.verify_experts` are keyed by "K/B")
+and a plot to OUT/bench-<device type>.png.
 """
 
 from __future__ import annotations
@@ -78,6 +81,7 @@ from .capture import parallel, weight_copies
 from .capture.cache import user_cache
 from .capture.compiler import BACKENDS
 from .capture.profile import DEFAULT_MODEL
+from .expert_reads import Reader, Routing, experts_read, is_stacked_experts, record
 from .llama_cpp_peer import LlamaCpp, LlamaCppMTP
 from .models.checkpoint import load_model
 from .models.draft_vocab import read_ranking
@@ -200,10 +204,13 @@ class Bound:
 
     copy_bytes: int  # size of the tensor copied
     bandwidth_bytes_per_s: float  # best of 5 copies, read + written bytes over seconds
-    target_bytes: int  # read by one target forward
-    mtp_step_bytes: list[int]  # read by one draft step, per MTP layer
-    steps_per_s: dict[int, float]  # by K: the faster bandwidth / (target + K draft steps)
+    target_bytes: int  # read by one target forward of one row
+    mtp_step_bytes: list[int]  # read by one draft step of one row, per MTP layer
+    steps_per_s: dict[str, float]  # by "K/B": the faster bandwidth / (target + K draft steps + routed)
     resident_bytes_per_s: float = 0.0  # best of 5 reads of target + one draft step's bytes, just read
+    routed_bytes: dict[str, int] = field(default_factory=dict)  # by "K/B": routed experts beyond one row's
+    expert_count: int = 0  # routed experts of a MoE layer (0: a dense model)
+    verify_experts: dict[str, float] = field(default_factory=dict)  # by "K/B": read a target MoE layer
     flops_per_s: float = 0.0  # the best of 5 large torch.mm products, float operations over seconds
     target_flops: int = 0  # of one target forward's weights, per row
     mtp_step_flops: list[int] = field(default_factory=list)  # of one draft step's, per row and MTP layer
@@ -557,15 +564,12 @@ def bench_hf(path: Path, prompts: list[list[int]], args: argparse.Namespace) -> 
 
 def _layer_size(layer: torch.nn.Module, num_experts_per_tok: int, size: Callable[[torch.Tensor], int]) -> int:
     """`size` summed over the weights one token reads from a decoder layer: all of them except the
-    routed experts, of which it reads only the `num_experts_per_tok` it is routed to. Every family
-    stacks a layer's routed experts in one module whose parameters are all [E, ...]."""
+    routed experts, of which it reads only the `num_experts_per_tok` it is routed to."""
     total = 0
     for module in layer.modules():
-        own = list(module.parameters(recurse=False))
-        amount = sum(size(p) for p in own)
-        experts = {p.shape[0] for p in own if p.dim() == 3}
-        stacked = len(experts) == 1 and all(p.dim() == 3 for p in own)
-        total += amount * num_experts_per_tok // experts.pop() if stacked else amount
+        amount = sum(size(p) for p in module.parameters(recurse=False))
+        stacked = is_stacked_experts(module)
+        total += amount * num_experts_per_tok // next(module.parameters()).shape[0] if stacked else amount
     return total
 
 
@@ -581,6 +585,39 @@ def step_sizes(model: CausalLM, size: Callable[[torch.Tensor], int], row: int) -
     target += size(model.model.norm.weight) + head
     draft_head = head if model.draft_head is None else size(model.draft_head.weight)
     return target, [row + _layer_size(layer, k, size) + draft_head for layer in mtp_layers]
+
+
+def routed_bytes(routing: Routing, depths: list[int], batch_sizes: list[int]) -> dict[str, int]:
+    """By "K/B": the bytes of routed experts a K-step at B reads beyond one row's (as the engine's
+    kernels read them): every target MoE layer's union over the verify's B (K + 1) rows, MTP layer 0's
+    over the draft extend's, and B rows' at each later draft step (expert_reads.py)."""
+
+    def beyond_one_row(reader: Reader | None, batch: int, rows: int) -> float:
+        if reader is None:
+            return 0.0
+        each = sum(_read_bytes(p) for p in reader.experts.parameters(recurse=False)) / reader.expert_count()
+        return each * (experts_read(reader.chosen, batch, rows) - experts_read(reader.chosen, 1, 1))
+
+    out = {}
+    for k in depths:
+        for b in batch_sizes:
+            extra = sum(beyond_one_row(r, b, k + 1) for r in routing.target)
+            if k:
+                extra += beyond_one_row(routing.drafts[0], b, k + 1)
+                extra += sum(beyond_one_row(routing.drafts[j], b, 1) for j in range(1, k))
+            out[f"{k}/{b}"] = round(extra)
+    return out
+
+
+def verify_experts(routing: Routing, depths: list[int], batch_sizes: list[int]) -> dict[str, float]:
+    """By "K/B": the routed experts a K-step's verify at B reads per target MoE layer, on the mean."""
+    if not routing.target:
+        return {}
+    return {
+        f"{k}/{b}": statistics.mean(experts_read(r.chosen, b, k + 1) for r in routing.target)
+        for k in depths
+        for b in batch_sizes
+    }
 
 
 def weight_bytes(model: CausalLM) -> tuple[int, list[int]]:
@@ -642,13 +679,28 @@ def resident_bandwidth(device: str, nbytes: int, runs: int = 5) -> float:
 
 
 def bandwidth_bound(
-    target: int, mtp: list[int], bandwidth: float, copy_bytes: int, resident: float, depths: list[int]
+    target: int,
+    mtp: list[int],
+    bandwidth: float,
+    copy_bytes: int,
+    resident: float,
+    depths: list[int],
+    batch_sizes: list[int],
+    routed: dict[str, int] | None = None,
 ) -> Bound:
-    """Depth j drafts with MTP layer j % (number of layers), as the engine does. The faster of the copy's
-    `bandwidth` and the warm read's (`resident`) bounds every step."""
+    """Depth j drafts with MTP layer j % (number of layers), as the engine does; a K-step at B also reads
+    `routed["K/B"]` bytes of routed experts beyond one row's (none where absent). The faster of the
+    copy's `bandwidth` and the warm read's (`resident`) bounds every step."""
+    routed = routed or {}
     fastest = max(bandwidth, resident)
-    steps = {k: fastest / (target + sum(mtp[j % len(mtp)] for j in range(k))) for k in depths}
-    return Bound(copy_bytes, bandwidth, target, mtp, steps, resident_bytes_per_s=resident)
+    steps = {}
+    for k in depths:
+        read = target + sum(mtp[j % len(mtp)] for j in range(k))
+        for b in batch_sizes:
+            steps[f"{k}/{b}"] = fastest / (read + routed.get(f"{k}/{b}", 0))
+    return Bound(
+        copy_bytes, bandwidth, target, mtp, steps, resident_bytes_per_s=resident, routed_bytes=routed
+    )
 
 
 def tile_rate(device: str, dtype: torch.dtype, runs: int = 5) -> tuple[int, float]:
@@ -670,9 +722,8 @@ def add_roofline(
     flops: tuple[int, list[int], int],
     rate: float,
     tiles: tuple[int, float],
-    batch_sizes: list[int],
 ) -> None:
-    """The roofline's steps per second at every (K, B): a step reads its bytes (`steps_per_s`) and does
+    """The roofline's steps per second at every (K, B) of the bound: a step reads its bytes (`steps_per_s`) and does
     its weights' multiply-adds at `rate`, or at the tiles' rate for products of `tiles[0]` rows or more,
     so it takes at least the longer of the two. A K-step runs B (K + 1) rows through the target's verify
     and MTP layer 0 (the draft extend, whose head drafts from one row of each request), then B rows
@@ -684,13 +735,13 @@ def add_roofline(
     def seconds(rows: int, operations: int) -> float:
         return operations / (bound.tile_flops_per_s if bound.tile_rows and rows >= bound.tile_rows else rate)
 
-    for k, steps in bound.steps_per_s.items():
-        for b in batch_sizes:
-            rows = b * (k + 1)
-            arithmetic = seconds(rows, rows * (target + (mtp[0] - head if k else 0)))
-            if k:
-                arithmetic += seconds(b, b * (head + sum(mtp[j % len(mtp)] for j in range(1, k))))
-            bound.roofline_steps_per_s[f"{k}/{b}"] = min(steps, 1 / arithmetic) if arithmetic else steps
+    for key, steps in bound.steps_per_s.items():
+        k, b = map(int, key.split("/"))
+        rows = b * (k + 1)
+        arithmetic = seconds(rows, rows * (target + (mtp[0] - head if k else 0)))
+        if k:
+            arithmetic += seconds(b, b * (head + sum(mtp[j % len(mtp)] for j in range(1, k))))
+        bound.roofline_steps_per_s[key] = min(steps, 1 / arithmetic) if arithmetic else steps
 
 
 def add_bounds(engine: list[EngineRun], bound: Bound) -> None:
@@ -698,7 +749,7 @@ def add_bounds(engine: list[EngineRun], bound: Bound) -> None:
     are the best fixed depth's at its B."""
     for e in engine:
         if isinstance(e.k, int):  # not "auto"
-            e.bound_tokens_per_s = e.batch * e.acceptance_length * bound.steps_per_s[e.k]
+            e.bound_tokens_per_s = e.batch * e.acceptance_length * bound.steps_per_s[f"{e.k}/{e.batch}"]
             e.roofline_tokens_per_s = (
                 e.batch * e.acceptance_length * bound.roofline_steps_per_s.get(f"{e.k}/{e.batch}", 0.0)
             )
@@ -935,9 +986,18 @@ def print_report(r: BenchResult) -> None:
         f"\nbound: copy bandwidth {bound.bandwidth_bytes_per_s / 1e9:.1f} GB/s ({bound.copy_bytes >> 20} MB), "
         f"a step's {read / 1e6:.2f} MB read warm {bound.resident_bytes_per_s / 1e9:.1f} GB/s; the bound takes "
         f"{used}; weights read per target forward "
-        f"{bound.target_bytes / 1e6:.2f} MB, per draft step {per_draft_step} MB; "
-        + ", ".join(f"K={k}: {s:.0f} steps/s" for k, s in bound.steps_per_s.items())
+        f"{bound.target_bytes / 1e6:.2f} MB, per draft step {per_draft_step} MB (a row's); "
+        + ", ".join(f"K/B={kb}: {s:.0f} steps/s" for kb, s in bound.steps_per_s.items())
     )
+    if bound.verify_experts:
+        print(
+            f"routed experts a verify reads per MoE layer, of {bound.expert_count} (measured on the prompts), "
+            "and the MB of routed experts a step reads beyond one row's: "
+            + ", ".join(
+                f"K/B={kb}: {n:.2f}, {bound.routed_bytes[kb] / 1e6:.2f} MB"
+                for kb, n in bound.verify_experts.items()
+            )
+        )
     if bound.flops_per_s:
         per_draft_row = ", ".join(f"{x / 1e6:.2f}" for x in bound.mtp_step_flops) or "-"
         tiles = (
@@ -1047,6 +1107,12 @@ def _check(args: argparse.Namespace) -> None:
         )
     if min(args.prompt_len, args.accept_prompts, args.timed_prompts, args.copy_mb) < 1:
         raise ValueError("prompt-len, accept-prompts, timed-prompts and copy-mb: must be >= 1")
+    if args.prompt_len < max(args.depths) + 2:
+        # The bound measures the routing of a K-step's draft extend on windows of K + 1 positions of
+        # each prompt's MTP rows, which start at its second token.
+        raise ValueError(
+            f"prompt-len: must be >= max depth + 2 = {max(args.depths) + 2}, got {args.prompt_len}"
+        )
     if not (args.model / "config.json").exists():
         raise ValueError(f"model: {args.model} has no config.json")
     if args.draft_vocab is not None and args.draft_vocab < 1:
@@ -1219,13 +1285,27 @@ def run(args: argparse.Namespace) -> None:
         del systems
     target_bytes, mtp_bytes = weight_bytes(model)
     flops = weight_flops(model)
+    routing = record(model, prompts.token_ids, max(args.depths))
+    routed = routed_bytes(routing, args.depths, args.batch_sizes)
     del model  # HF loads its own copy next
     hf, meta.hf_attention = bench_hf(args.model, prompts.token_ids, args)
     bandwidth = copy_bandwidth(args.device, args.copy_mb)
     resident = resident_bandwidth(args.device, first_depth_bytes(target_bytes, mtp_bytes))
-    bound = bandwidth_bound(target_bytes, mtp_bytes, bandwidth, args.copy_mb * 2**20, resident, args.depths)
+    bound = bandwidth_bound(
+        target_bytes,
+        mtp_bytes,
+        bandwidth,
+        args.copy_mb * 2**20,
+        resident,
+        args.depths,
+        args.batch_sizes,
+        routed,
+    )
+    bound.expert_count = routing.target[0].expert_count() if routing.target else 0
+    bound.verify_experts = verify_experts(routing, args.depths, args.batch_sizes)
+    del routing
     dtype = DTYPES[args.dtype]
-    add_roofline(bound, flops, gemm_rate(args.device, dtype), tile_rate(args.device, dtype), args.batch_sizes)
+    add_roofline(bound, flops, gemm_rate(args.device, dtype), tile_rate(args.device, dtype))
     add_bounds(engine, bound)
     result = BenchResult(meta, acceptance, engine, hf, bound, peers, [])
     result.goals = goals(result)

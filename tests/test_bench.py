@@ -126,8 +126,13 @@ def test_values_are_sane(result):
         and bound["target_bytes"] > 0
         and len(bound["mtp_step_bytes"]) == 1
     )
-    steps = [bound["steps_per_s"][str(k)] for k in DEPTHS]
-    assert steps == sorted(steps, reverse=True)  # each draft step reads more weights
+    for b in BATCHES:  # each draft step reads more weights, and rows routed apart more experts
+        steps = [bound["steps_per_s"][f"{k}/{b}"] for k in DEPTHS]
+        assert steps == sorted(steps, reverse=True)
+    for k in DEPTHS:
+        assert bound["routed_bytes"][f"{k}/{min(BATCHES)}"] <= bound["routed_bytes"][f"{k}/{max(BATCHES)}"]
+        assert bound["verify_experts"][f"{k}/1"] <= bound["expert_count"]
+    assert bound["routed_bytes"]["0/1"] == 0 and bound["routed_bytes"]["1/2"] > 0  # a row reads its own k
     assert bound["flops_per_s"] > 0 and bound["target_flops"] > 0 and len(bound["mtp_step_flops"]) == 1
     assert set(bound["roofline_steps_per_s"]) == {f"{k}/{b}" for k in DEPTHS for b in BATCHES}
     for e in data["engine"]:
@@ -257,19 +262,19 @@ def test_the_roofline_never_allows_more_than_the_bandwidth_bound(
     """At most the bandwidth bound's steps; no more as rows are added (a deeper K, a larger B); and
     the bandwidth bound itself where arithmetic costs nothing."""
     draft = [d + head for d in draft]  # a draft step's multiply-adds include its head's
-    bytes_bound = bench.bandwidth_bound(target, draft, bandwidth, 1, 0.0, depths)
-    bench.add_roofline(bytes_bound, (target, draft, head), rate, (0, 0.0), batches)
+    bytes_bound = bench.bandwidth_bound(target, draft, bandwidth, 1, 0.0, depths, batches)
+    bench.add_roofline(bytes_bound, (target, draft, head), rate, (0, 0.0))
     roof = bytes_bound.roofline_steps_per_s
     for k in depths:
-        assert all(roof[f"{k}/{b}"] <= bytes_bound.steps_per_s[k] for b in batches)
+        assert all(roof[f"{k}/{b}"] <= bytes_bound.steps_per_s[f"{k}/{b}"] for b in batches)
         by_batch = [roof[f"{k}/{b}"] for b in sorted(batches)]
         assert by_batch == sorted(by_batch, reverse=True)
     for b in batches:
         by_depth = [roof[f"{k}/{b}"] for k in sorted(depths)]
         assert by_depth == sorted(by_depth, reverse=True)
-    free = bench.bandwidth_bound(target, draft, bandwidth, 1, 0.0, depths)
-    bench.add_roofline(free, (target, draft, head), float("inf"), (0, 0.0), batches)
-    assert all(free.roofline_steps_per_s[f"{k}/{b}"] == free.steps_per_s[k] for k in depths for b in batches)
+    free = bench.bandwidth_bound(target, draft, bandwidth, 1, 0.0, depths, batches)
+    bench.add_roofline(free, (target, draft, head), float("inf"), (0, 0.0))
+    assert free.roofline_steps_per_s == free.steps_per_s
 
 
 @given(
@@ -278,18 +283,23 @@ def test_the_roofline_never_allows_more_than_the_bandwidth_bound(
     depths=ROOFLINE_DRAWS["depths"],
     bandwidth=st.floats(1e6, 1e12),
     resident=st.one_of(st.just(0.0), st.floats(1e6, 1e12)),
+    routed=st.integers(0, 10**8),
 )
 def test_the_bound_reads_at_the_faster_of_the_copy_and_the_warm_read(
-    target, draft, depths, bandwidth, resident
+    target, draft, depths, bandwidth, resident, routed
 ):
-    """Every depth's steps are the faster bandwidth over its bytes: a warm read slower than the copy (a
-    step's weights larger than the cache) leaves the copy's bound as it was, a faster one raises it."""
-    copy_only = bench.bandwidth_bound(target, draft, bandwidth, 1, 0.0, depths)
-    bound = bench.bandwidth_bound(target, draft, bandwidth, 1, resident, depths)
+    """Every depth's steps are the faster bandwidth over its bytes, the routed experts its rows read
+    beyond one row's among them: a warm read slower than the copy (a step's weights larger than the
+    cache) leaves the copy's bound as it was, a faster one raises it."""
+    extra = {f"{k}/2": routed for k in depths}
+    copy_only = bench.bandwidth_bound(target, draft, bandwidth, 1, 0.0, depths, [1, 2], extra)
+    bound = bench.bandwidth_bound(target, draft, bandwidth, 1, resident, depths, [1, 2], extra)
     for k in depths:
         read = target + sum(draft[j % len(draft)] for j in range(k))
-        assert bound.steps_per_s[k] == pytest.approx(max(bandwidth, resident) / read, rel=1e-12)
-        assert bound.steps_per_s[k] >= copy_only.steps_per_s[k]
+        for b, more in ((1, 0), (2, routed)):
+            steps = bound.steps_per_s[f"{k}/{b}"]
+            assert steps == pytest.approx(max(bandwidth, resident) / (read + more), rel=1e-12)
+            assert steps >= copy_only.steps_per_s[f"{k}/{b}"]
     assert bound.bandwidth_bytes_per_s == bandwidth and bound.resident_bytes_per_s == resident
 
 
@@ -299,25 +309,25 @@ def test_faster_tile_products_never_lower_the_roofline(
 ):
     """Products of tile_rows rows or more at a faster rate: never fewer steps than without them, never
     more than the bandwidth bound's."""
-    bounds = [bench.bandwidth_bound(target, draft, 1e9, 1, 0.0, depths) for _ in range(2)]
-    bench.add_roofline(bounds[0], (target, draft, 0), rate, (0, 0.0), batches)
-    bench.add_roofline(bounds[1], (target, draft, 0), rate, (tile_rows, rate * faster), batches)
+    bounds = [bench.bandwidth_bound(target, draft, 1e9, 1, 0.0, depths, batches) for _ in range(2)]
+    bench.add_roofline(bounds[0], (target, draft, 0), rate, (0, 0.0))
+    bench.add_roofline(bounds[1], (target, draft, 0), rate, (tile_rows, rate * faster))
     for key, steps in bounds[1].roofline_steps_per_s.items():
         assert bounds[0].roofline_steps_per_s[key] <= steps * (1 + 1e-12)
-        assert steps <= bounds[1].steps_per_s[int(key.split("/")[0])]
+        assert steps <= bounds[1].steps_per_s[key]
 
 
 def test_a_roofline_step_counts_every_row_of_its_graphs():
     """K=2, B=3: 9 rows through the target and the extend's layer (whose head drafts from 3), 3
     through the draft step that follows."""
-    bound = bench.bandwidth_bound(10**6, [10**5], 1e12, 1, 0.0, [0, 2])
-    bench.add_roofline(bound, (100, [40], 10), 1320.0, (0, 0.0), [3])
+    bound = bench.bandwidth_bound(10**6, [10**5], 1e12, 1, 0.0, [0, 2], [3])
+    bench.add_roofline(bound, (100, [40], 10), 1320.0, (0, 0.0))
     assert bound.roofline_steps_per_s == {
         "0/3": 1320.0 / 300,
         "2/3": 1.0,
     }  # 9 * 100 + 9 * 30 + 3 * 10 + 3 * 40
     # From 9 rows on (the verify and the extend), the products at 1170 a second: 3 rows still at 1320.
-    bench.add_roofline(bound, (100, [40], 10), 1320.0, (9, 1170.0), [3])
+    bench.add_roofline(bound, (100, [40], 10), 1320.0, (9, 1170.0))
     assert bound.roofline_steps_per_s["2/3"] == pytest.approx(1 / (1170 / 1170 + 150 / 1320))
 
 

@@ -212,6 +212,50 @@ def test_panel_bytes_is_zero_until_an_op_reads_the_weight():
     assert ops.panel_bytes(weight) == weight.nbytes  # 32 outputs fill whole panels at 8 or 16 lanes
 
 
+@given(sizes=st.lists(st.integers(0, 3 << 20), min_size=1, max_size=6))
+def test_huge_page_memory_is_aligned_and_each_piece_its_own(sizes):
+    """Pieces carved from the slabs start on cache lines and never overlap: writing one leaves the
+    others as they were."""
+    pieces = [ops.huge_page_bytes(n) for n in sizes]
+    assert [p.numel() for p in pieces] == sizes and all(p.data_ptr() % 64 == 0 for p in pieces)
+    for i, piece in enumerate(pieces):
+        piece.fill_(i)
+    assert all(bool((piece == i).all()) for i, piece in enumerate(pieces))
+
+
+def test_a_storage_moved_to_huge_pages_keeps_its_values_and_every_tensor_on_it():
+    """A view and a second tensor on the same storage read the moved memory; a second move keeps it."""
+    gen = torch.Generator().manual_seed(5)
+    base = torch.randn(300, 70, generator=gen)
+    view, expected, address = base[10:20, 3:], base.clone(), base.data_ptr()
+    ops.move_to_huge_pages(view)
+    assert base.data_ptr() != address and torch.equal(base, expected)
+    assert view.data_ptr() == base.data_ptr() + (10 * 70 + 3) * 4
+    view.fill_(7.0)
+    assert bool((base[10:20, 3:] == 7.0).all())
+    moved = base.data_ptr()
+    ops.move_to_huge_pages(base)
+    assert base.data_ptr() == moved
+
+
+def test_a_model_moves_onto_huge_pages_before_its_first_graphs_and_never_after(tiny_checkpoint):
+    """The first graphs hold the weights' addresses (capture/aot.py): a model whose first graphs call
+    the ops moves then; a model first served by graphs without them never moves later."""
+
+    def addresses(model):
+        return [p.data_ptr() for p in model.parameters()]
+
+    for first, then in (((), None), (None, ())):
+        model = load_model(tiny_checkpoint)
+        state = StaticState(model, num_slots=2, max_seq_len=16, max_depth=2)
+        before = addresses(model)
+        CompiledGraphs(model, state, "inductor", passes=first)
+        settled = addresses(model)
+        assert (settled == before) == (first == ())
+        CompiledGraphs(model, state, "inductor", passes=then)
+        assert addresses(model) == settled
+
+
 @settings(max_examples=40)
 @given(
     rows=st.integers(1, 11),

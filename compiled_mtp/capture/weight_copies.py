@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from ..ops import library
 from ..passes.bfloat16_reads import weight_of
 from ..passes.weights import holds_bfloat16_values
 
@@ -67,4 +68,6 @@ def _bfloat16(name: str, weight: Tensor) -> Tensor:
             f"{weight_of(name)}: the graphs read this weight as bfloat16, but it holds other values; "
             "load such weights into a new Runtime"
         )
-    return weight.detach().to(torch.bfloat16)
+    if weight.device.type != "cpu":
+        return weight.detach().to(torch.bfloat16)
+    return library.huge_page_empty(weight.shape, torch.bfloat16).copy_(weight.detach())

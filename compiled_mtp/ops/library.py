@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import os
 import warnings
+import weakref
 from pathlib import Path
 
 import torch
@@ -21,6 +23,7 @@ import torch
 from compiled_mtp.file_lock import exclusive
 
 CSRC = Path(__file__).parent / "csrc"
+_SETTLED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # models whose graphs may exist
 
 
 def sources() -> list[Path]:
@@ -104,3 +107,24 @@ def read_bytes(weight: torch.Tensor) -> int:
     on_cpu = weight.device.type == "cpu" and weight.dtype == torch.float32
     panels = torch.ops.compiled_mtp.panel_bytes(weight) if on_cpu and load() else 0
     return panels or weight.nbytes
+
+
+def huge_page_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor for a weight that every step reads whole: on 2 MiB pages, beside other
+    such weights, where the library loads (csrc/huge_pages.h), else a plain one."""
+    if not load():
+        return torch.empty(shape, dtype=dtype)
+    nbytes = shape.numel() * dtype.itemsize
+    return torch.ops.compiled_mtp.huge_page_bytes(nbytes).view(dtype).view(shape)
+
+
+def settle(model: torch.nn.Module, move: bool) -> None:
+    """Called before a model's first graphs are built or loaded, which hold its tensors' addresses from
+    then on (capture/aot.py): where `move`, its weights and buffers move onto 2 MiB pages first
+    (csrc/huge_pages.h), in place; never later."""
+    if model in _SETTLED:
+        return
+    _SETTLED.add(model)
+    if move:
+        for tensor in itertools.chain(model.parameters(), model.buffers()):
+            torch.ops.compiled_mtp.move_to_huge_pages(tensor)

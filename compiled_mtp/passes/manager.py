@@ -80,8 +80,7 @@ class PassManager(CustomGraphPass):
         """What the enabled passes do once per model, before any graph is built or loaded (learn its
         weights, pack them, build the C++ ops), so that no step served waits for it."""
         self.learn(model)
-        if self.enabled and library.serves(model):
-            library.load()
+        library.settle(model, move=bool(self.enabled) and library.serves(model) and library.load())
         for name in self.enabled:
             prepare = getattr(REGISTRY[name], "prepare", None)
             if prepare is not None:

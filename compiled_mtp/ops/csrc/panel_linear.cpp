@@ -9,6 +9,7 @@
 #include <type_traits>
 #include <unordered_map>
 
+#include "huge_pages.h"
 #include "panels.h"
 
 namespace compiled_mtp {
@@ -89,7 +90,9 @@ void pack_into(const float* src, W* dst, int64_t n, int64_t k) {
 at::Tensor pack(const at::Tensor& w) {
     const int64_t n = w.size(0), k = w.size(1), panels = (n + LANES - 1) / LANES;
     const bool half = bfloat16_exact(w);
-    at::Tensor packed = at::zeros({panels, half ? panel_columns(k) : k, LANES}, w.options().dtype(half ? at::kBFloat16 : at::kFloat));
+    const at::ScalarType type = half ? at::kBFloat16 : at::kFloat;
+    const int64_t columns = half ? panel_columns(k) : k;
+    at::Tensor packed = huge_page_bytes(panels * columns * LANES * at::elementSize(type)).view(type).view({panels, columns, LANES}).zero_();
     if (half) {
         pack_into(w.data_ptr<float>(), reinterpret_cast<uint16_t*>(packed.data_ptr()), n, k);
     } else {

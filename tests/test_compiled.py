@@ -21,9 +21,11 @@ from compiled_mtp.graphs import plan, state
 from compiled_mtp.graphs.plan import GraphKey, GraphKind, example_inputs
 from compiled_mtp.graphs.state import StaticState
 from compiled_mtp.models.checkpoint import load_model
+from compiled_mtp.models.layers import MLP
 from compiled_mtp.passes import narrow_linear, packed_linear
 from compiled_mtp.reference import reference_generate
 from tests.checkpoints import write_echo_checkpoint
+from tests.precision import fp32_precision, needs_bfloat16_dot
 
 PARAMS = SamplingParams(max_new_tokens=10, ignore_eos=True)
 
@@ -205,6 +207,47 @@ def test_inductor_graphs_equal_the_reference(tmp_path, monkeypatch):
     ]
     stats = rt.stats()
     assert stats["compiles"] == len(stats["graph_replays"]) == len(codes)
+
+
+@needs_bfloat16_dot
+def test_bfloat16_products_give_the_same_tokens_at_every_depth_alone_and_batched(tiny_checkpoint):
+    """With torch's CPU float32 precision at "bf16" the dense MLP (bfloat16 weights, read from panels
+    on 1-16 rows) multiplies bfloat16-rounded rows, in the same graphs (csrc/panels.h). A row's
+    products do not depend on the rows beside it, so greedy tokens are the same at depths 0 and 2,
+    alone (beside padded rows) and four at a time, and through a schedule that switches depth."""
+    model = load_model(tiny_checkpoint)
+    with torch.no_grad():
+        for weight in model.parameters():
+            weight.copy_(weight.bfloat16())
+    rt = Runtime(
+        model,
+        mtp_depth=2,
+        mtp_depths=(0, 2),
+        batch_sizes=(4,),
+        max_seq_len=48,
+        compile_backend="inductor",
+        prefill_chunk=8,
+    )
+    prompts = _prompts(4, seed=7)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    outputs = {}
+    with fp32_precision("bf16"):
+        for k in (0, 2):
+            rt.mtp_depth = k
+            outputs[k, 4] = [o.token_ids for o in rt.generate(prompts, params)]
+            outputs[k, 1] = [rt.generate([p], params)[0].token_ids for p in prompts]
+        ids = [rt.add_request(p, params) for p in prompts]
+        got = {i: [] for i in ids}
+        schedule = iter((2, 0, 0, 2, 0, 2))
+        while rt.has_unfinished():
+            rt.mtp_depth = next(schedule, 0)
+            for out in rt.step():
+                got[out.request_id] += out.new_token_ids
+        outputs["switched"] = list(got.values())
+    assert all(tokens == outputs[0, 1] for tokens in outputs.values())
+    dense = model.model.layers[0].mlp  # the MoE layer's shared experts stay in Inductor's code
+    assert isinstance(dense, MLP)
+    assert all(0 < torch.ops.compiled_mtp.panel_bytes(w) < w.nbytes for w in dense.parameters())
 
 
 @pytest.mark.parametrize("key", plan.graph_keys((1,), (0, 2)), ids=lambda key: key.name)

@@ -22,6 +22,7 @@ from compiled_mtp.models.layers import dense_mlp, gathered_experts
 from compiled_mtp.ops import library
 from compiled_mtp.passes import narrow_linear
 from compiled_mtp.passes.manager import PassManager, available
+from tests.precision import BFLOAT16_DOT, fp32_precision, needs_bfloat16_dot
 
 ops = torch.ops.compiled_mtp
 aten = torch.ops.aten
@@ -202,6 +203,49 @@ def test_dense_mlp_on_amx_is_the_model_function(rows):
         vector = (ops.dense_mlp(x, gate, up, down).double() - expected).abs().max().item()
     tiles = (ops.dense_mlp(x, gate, up, down).double() - expected).abs().max().item()
     assert tiles <= 2 * vector
+
+
+def test_bfloat16_products_follow_torchs_cpu_float32_precision():
+    """Only "bf16" (torch.backends.mkldnn.matmul.fp32_precision, or a setting above it) lets the ops
+    multiply in bfloat16, and only where the machine can."""
+    assert not ops.bfloat16_products()  # torch's default
+    for name, allowed in [("ieee", False), ("bf16", BFLOAT16_DOT), ("tf32", False)]:
+        with fp32_precision(name):
+            assert ops.bfloat16_products() == allowed, name
+    with fp32_precision("none"):
+        torch.backends.mkldnn.fp32_precision = "bf16"
+        try:
+            assert ops.bfloat16_products() == BFLOAT16_DOT
+        finally:
+            torch.backends.mkldnn.fp32_precision = "none"
+
+
+@needs_bfloat16_dot
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 16), hidden=st.integers(1, 70), inter=st.integers(1, 90), seed=st.integers(0, 2**16)
+)
+def test_dense_mlp_in_bfloat16_gives_each_row_its_own_products(rows, hidden, inter, seed):
+    """Under "bf16" the MLP of bfloat16 weights rounds its rows and its activation to bfloat16 and
+    adds the products in float32: each row's output is bit for bit the one it gets alone (a verify's
+    row, the depth-0 step's), and the model function's on the rounded rows within a bfloat16 step of
+    the activation. panel_linear still multiplies in float32. Odd widths take the padding's zeros."""
+    gen = torch.Generator().manual_seed(seed)
+    gate, up, down = _bfloat16_valued((inter, hidden), (inter, hidden), (hidden, inter), generator=gen)
+    x = torch.randn(rows, hidden, generator=gen)
+    with vector_products():
+        exact = ops.panel_linear(x, gate), ops.dense_mlp(x, gate, up, down)
+        with fp32_precision("bf16"):
+            got = ops.dense_mlp(x, gate, up, down)
+            alone = torch.cat([ops.dense_mlp(x[r : r + 1], gate, up, down) for r in range(rows)])
+            assert torch.equal(ops.panel_linear(x, gate), exact[0])
+    assert torch.equal(got, alone) and not torch.equal(got, exact[1])
+    rounded = x.bfloat16().double()
+    act = dense_mlp(rounded, gate.double(), up.double(), torch.eye(inter, dtype=torch.float64))
+    expected = act.bfloat16().double() @ down.double().T
+    # The op's float32 activation and this float64 one may round to neighbouring bfloat16 values.
+    spread = act.abs() @ down.double().abs().T
+    assert ((got.double() - expected).abs() <= 2**-7 * spread + 1e-30).all()
 
 
 def test_panel_bytes_is_zero_until_an_op_reads_the_weight():

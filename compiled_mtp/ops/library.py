@@ -10,6 +10,7 @@ only slower.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import hashlib
 import itertools
@@ -128,3 +129,29 @@ def settle(model: torch.nn.Module, move: bool) -> None:
     if move:
         for tensor in itertools.chain(model.parameters(), model.buffers()):
             torch.ops.compiled_mtp.move_to_huge_pages(tensor)
+
+
+FP32_PRECISIONS = ("ieee", "bf16")
+
+
+def add_precision_option(parser: argparse.ArgumentParser) -> None:
+    """The command-line option for torch.backends.mkldnn.matmul.fp32_precision (main applies it)."""
+    parser.add_argument(
+        "--fp32-precision",
+        choices=FP32_PRECISIONS,
+        help="CPU float32 products, as torch.backends.mkldnn.matmul.fp32_precision: bf16 lets the dense "
+        "MLPs (and oneDNN) multiply activations rounded to bfloat16 where the CPU has AVX512-BF16, "
+        "adding in float32 (default: torch's, ieee)",
+    )
+
+
+def apply_precision(args: argparse.Namespace) -> None:
+    """--fp32-precision, where the command takes and was given it."""
+    if getattr(args, "fp32_precision", None):
+        torch.backends.mkldnn.matmul.fp32_precision = args.fp32_precision  # type: ignore[attr-defined]
+
+
+def bfloat16_products() -> bool:
+    """Whether the dense MLPs multiply in bfloat16 now: torch.backends.mkldnn.matmul.fp32_precision is
+    bf16, the library loads and the CPU has AVX512-BF16 (csrc/panels.h)."""
+    return load() and torch.ops.compiled_mtp.bfloat16_products()

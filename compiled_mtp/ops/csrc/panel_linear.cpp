@@ -2,9 +2,11 @@
 // from the weight's panels (panels.h), and the panels' copies and product that dense_mlp shares.
 #include <c10/core/StorageImpl.h>
 
+#include <ATen/Context.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/bit_cast.h>
 
+#include <cstring>
 #include <mutex>
 #include <type_traits>
 #include <unordered_map>
@@ -101,6 +103,10 @@ at::Tensor pack(const at::Tensor& w) {
     return packed;
 }
 
+// Elements between one row and the next: float32 rows are packed, bfloat16 ones padded as the panels.
+inline int64_t row_stride(const float*, int64_t k) { return k; }
+inline int64_t row_stride(const uint16_t*, int64_t k) { return panel_columns(k); }
+
 // One vector of a float32 panel.
 inline Vec load_lanes(const float* p) { return Vec::loadu(p); }
 
@@ -191,38 +197,79 @@ void block(const float* x, const uint16_t* panels, float* out, int64_t k, int64_
     store_block(acc, out, n, col);
 }
 
+#if defined(COMPILED_MTP_HAS_BF16_DOT)
+#pragma GCC push_options
+#pragma GCC target("avx512bf16")
+// The same with rows rounded to bfloat16 (round_rows), on AVX-512's bfloat16 dot products: one
+// instruction multiplies a lane's pair of columns by the row's pair and adds both products to the sum,
+// where the float32 path widens the pair and runs two multiply-adds. Each sum adds the pairs in order
+// whatever the rows and panels around it, so a row's outputs do not depend on the rows beside it.
+template <int R, int P>
+void block(const uint16_t* x, const uint16_t* panels, float* out, int64_t k, int64_t n, int64_t col) {
+    constexpr int64_t ahead = AHEAD_BYTES / (LANES * sizeof(uint16_t));
+    const int64_t stride = panel_columns(k);
+    Vec acc[R][P];
+    for (int r = 0; r < R; r++) for (int p = 0; p < P; p++) acc[r][p] = Vec(0.f);
+    for (int64_t c = 0; c < k; c += 2) {
+        __m512bh w[P];
+        for (int p = 0; p < P; p++) {
+            const uint16_t* pair = panels + (p * stride + c) * LANES;
+            __builtin_prefetch(pair + ahead * LANES, 0, 1);  // never faults, also past the end
+            w[p] = (__m512bh)_mm512_loadu_si512(pair);
+        }
+        for (int r = 0; r < R; r++) {
+            int32_t both;
+            std::memcpy(&both, x + r * stride + c, sizeof(both));
+            const __m512bh xr = (__m512bh)_mm512_set1_epi32(both);
+            for (int p = 0; p < P; p++) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], w[p], xr);
+        }
+    }
+    store_block(acc, out, n, col);
+}
+
+// from[c0, c1) rounded to the nearest even bfloat16 into to[c0, c1), 16 at a time: where it stopped.
+int64_t round_vectors(const float* from, uint16_t* to, int64_t c0, int64_t c1) {
+    int64_t c = c0;
+    for (; c + 16 <= c1; c += 16) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + c), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(from + c)));
+    }
+    return c;
+}
+#pragma GCC pop_options
+#endif
+
 // Rows [0, count) of a block, count <= R, against P panels.
-template <int R, int P, typename W>
-void block_of(int64_t count, const float* x, const W* panels, float* out, int64_t k, int64_t n, int64_t col) {
+template <int R, int P, typename X, typename W>
+void block_of(int64_t count, const X* x, const W* panels, float* out, int64_t k, int64_t n, int64_t col) {
     if (count == R) block<R, P>(x, panels, out, k, n, col);
     else if constexpr (R > 1) block_of<R - 1, P>(count, x, panels, out, k, n, col);
 }
 
 // Every row, BLOCK at a time, against P panels.
-template <int P, int BLOCK, typename W>
-void rows_against(const float* x, int64_t rows, const W* panels, float* out, int64_t k, int64_t n, int64_t col) {
+template <int P, int BLOCK, typename X, typename W>
+void rows_against(const X* x, int64_t rows, const W* panels, float* out, int64_t k, int64_t n, int64_t col) {
     for (int64_t r0 = 0; r0 < rows; r0 += BLOCK) {
-        block_of<BLOCK, P>(std::min<int64_t>(BLOCK, rows - r0), x + r0 * k, panels, out + r0 * n, k, n, col);
+        block_of<BLOCK, P>(std::min<int64_t>(BLOCK, rows - r0), x + r0 * row_stride(x, k), panels, out + r0 * n, k, n, col);
     }
 }
 
 // `count` panels (count <= P) from output `col` on, against every row.
-template <int P, int BLOCK, typename W>
-void group_against(int64_t count, const float* x, int64_t rows, const W* group, float* out, int64_t k, int64_t n, int64_t col) {
+template <int P, int BLOCK, typename X, typename W>
+void group_against(int64_t count, const X* x, int64_t rows, const W* group, float* out, int64_t k, int64_t n, int64_t col) {
     if (count == P) rows_against<P, BLOCK>(x, rows, group, out, k, n, col);
     else if constexpr (P > 1) group_against<P - 1, BLOCK>(count, x, rows, group, out, k, n, col);
 }
 
-template <int P, int BLOCK, typename W>
-void run_groups(const float* x, int64_t rows, int64_t k, const W* panels, int64_t n, float* out, int64_t q0, int64_t q1) {
+template <int P, int BLOCK, typename X, typename W>
+void run_groups(const X* x, int64_t rows, int64_t k, const W* panels, int64_t n, float* out, int64_t q0, int64_t q1) {
     const int64_t stride = std::is_same_v<W, float> ? k : panel_columns(k);
     for (int64_t p0 = q0; p0 < q1; p0 += P) {
         group_against<P, BLOCK>(std::min<int64_t>(P, q1 - p0), x, rows, panels + p0 * stride * LANES, out, k, n, p0 * LANES);
     }
 }
 
-template <typename W>
-void run_panels(const float* x, int64_t rows, int64_t k, const W* panels, int64_t n, float* out, int64_t q0, int64_t q1) {
+template <typename X, typename W>
+void run_panels(const X* x, int64_t rows, int64_t k, const W* panels, int64_t n, float* out, int64_t q0, int64_t q1) {
     if constexpr (FEW_ROWS > 0) {
         if (rows <= FEW_ROWS) return run_groups<FEW_ROW_PANELS, FEW_ROWS>(x, rows, k, panels, n, out, q0, q1);
         if (rows == 4) return run_groups<FOUR_ROW_PANELS, 4>(x, rows, k, panels, n, out, q0, q1);
@@ -257,9 +304,43 @@ at::Tensor panels_of(const at::Tensor& w) {
     return copies.insert_or_assign(w.data_ptr(), std::move(entry)).first->second.packed;
 }
 
-void panel_run(const float* x, int64_t rows, int64_t k, const at::Tensor& panels, int64_t n, float* out, int64_t q0, int64_t q1) {
+bool bfloat16_products() {
+#if defined(COMPILED_MTP_HAS_BF16_DOT)
+    static const bool machine = (__builtin_cpu_init(), __builtin_cpu_supports("avx512bf16"));
+    return machine && at::globalContext().float32Precision(at::Float32Backend::MKLDNN, at::Float32Op::MATMUL) == at::Float32Precision::BF16;
+#else
+    return false;
+#endif
+}
+
+void round_rows(const float* x, int64_t rows, int64_t k, int64_t c0, int64_t c1, uint16_t* out) {
+    const int64_t stride = panel_columns(k);
+    for (int64_t r = 0; r < rows; r++) {
+        const float* from = x + r * k;
+        uint16_t* to = out + r * stride;
+        int64_t c = c0;
+#if defined(COMPILED_MTP_HAS_BF16_DOT)
+        c = round_vectors(from, to, c0, c1);
+#endif
+        for (; c < c1; c++) to[c] = c10::BFloat16(from[c]).x;  // to nearest even
+        if (c1 == k) std::fill(to + k, to + stride, uint16_t{0});
+    }
+}
+
+at::Tensor rounded_rows(const float* x, int64_t rows, int64_t k, const at::Tensor& panels) {
+    if (panels.scalar_type() != at::kBFloat16 || !bfloat16_products()) return {};
+    at::Tensor out = at::empty({rows, panel_columns(k)}, at::kBFloat16);
+    round_rows(x, rows, k, 0, k, reinterpret_cast<uint16_t*>(out.data_ptr()));
+    return out;
+}
+
+void panel_run(const float* x, const uint16_t* rounded, int64_t rows, int64_t k, const at::Tensor& panels, int64_t n, float* out, int64_t q0, int64_t q1) {
     if (panels.scalar_type() == at::kBFloat16) {
         const uint16_t* half = reinterpret_cast<const uint16_t*>(panels.data_ptr());
+#if defined(COMPILED_MTP_HAS_BF16_DOT)
+        // Rounded rows never go to the tiles, whose exact products would give 8 rows other sums than 4.
+        if (rounded != nullptr) return run_panels(rounded, rows, k, half, n, out, q0, q1);
+#endif
         if (rows >= AMX_MIN_ROWS && amx_enabled()) return amx_run(x, rows, k, half, n, out, q0, q1);
         run_panels(x, rows, k, half, n, out, q0, q1);
     } else {
@@ -269,10 +350,10 @@ void panel_run(const float* x, int64_t rows, int64_t k, const at::Tensor& panels
 
 void panel_product(const float* x, int64_t rows, int64_t k, const at::Tensor& panels, int64_t n, float* out) {
     const int64_t count = (n + LANES - 1) / LANES;
-    if (panels.nbytes() <= SERIAL_BYTES) return panel_run(x, rows, k, panels, n, out, 0, count);
+    if (panels.nbytes() <= SERIAL_BYTES) return panel_run(x, nullptr, rows, k, panels, n, out, 0, count);
     // Each thread takes an equal run of panels and works through it PANELS at a time: handing out
     // whole groups of PANELS left a thread idle for a third of a 128-output linear (8 panels).
-    at::parallel_for(0, count, 1, [&](int64_t q0, int64_t q1) { panel_run(x, rows, k, panels, n, out, q0, q1); });
+    at::parallel_for(0, count, 1, [&](int64_t q0, int64_t q1) { panel_run(x, nullptr, rows, k, panels, n, out, q0, q1); });
 }
 
 // compiled_mtp::panel_bytes(weight): the bytes of the panels the ops read in place of `weight`, or 0 if
@@ -284,7 +365,10 @@ int64_t panel_bytes(const at::Tensor& w) {
 }
 
 COMPILED_MTP_OP(panel_linear, "(Tensor x, Tensor weight) -> Tensor")
-TORCH_LIBRARY_FRAGMENT(compiled_mtp, m) { m.def("panel_bytes(Tensor weight) -> int"); }
+TORCH_LIBRARY_FRAGMENT(compiled_mtp, m) {
+    m.def("panel_bytes(Tensor weight) -> int");
+    m.def("bfloat16_products() -> bool", bfloat16_products);
+}
 TORCH_LIBRARY_IMPL(compiled_mtp, CPU, m) { m.impl("panel_bytes", panel_bytes); }
 
 }  // namespace compiled_mtp

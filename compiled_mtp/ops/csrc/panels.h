@@ -35,8 +35,29 @@ constexpr int64_t AMX_MIN_ROWS = 8;
 // weight at the same address.
 at::Tensor panels_of(const at::Tensor& weight);
 
-// Panels [q0, q1) of out [rows, n] = x [rows, k] W^T, on the calling thread.
-void panel_run(const float* x, int64_t rows, int64_t k, const at::Tensor& panels, int64_t n, float* out, int64_t q0, int64_t q1);
+// AVX-512's bfloat16 dot products, where the compiler has them; whether the machine does is asked at run time.
+#if defined(CPU_CAPABILITY_AVX512) && (defined(__clang__) || __GNUC__ >= 10)
+#define COMPILED_MTP_HAS_BF16_DOT 1
+#endif
+
+// Whether dense_mlp may round its rows and its activation to bfloat16 and multiply them by bfloat16
+// panels on the bfloat16 dot products, adding in float32: torch lets oneDNN's float32 products do
+// the same (torch.backends.mkldnn.matmul.fp32_precision, or a setting above it, is "bf16") and the
+// machine has them. Asked once a call, so the same graphs serve both. panel_linear never rounds:
+// narrow_linear leaves its smaller weights to Inductor's float32 code on one row, and a row must get
+// the same products at every depth (docs/passes.md).
+bool bfloat16_products();
+
+// Columns [c0, c1) of rows x [rows, k] rounded to the nearest bfloat16, into [rows][panel_columns(k)];
+// the padding past k zeroed once c1 reaches k.
+void round_rows(const float* x, int64_t rows, int64_t k, int64_t c0, int64_t c1, uint16_t* out);
+
+// round_rows of every column where `panels` are bfloat16 and bfloat16_products(); else undefined.
+at::Tensor rounded_rows(const float* x, int64_t rows, int64_t k, const at::Tensor& panels);
+
+// Panels [q0, q1) of out [rows, n] = x [rows, k] W^T, on the calling thread; from `rounded` (x rounded
+// by round_rows) on the bfloat16 dot products where it is given and the panels are bfloat16.
+void panel_run(const float* x, const uint16_t* rounded, int64_t rows, int64_t k, const at::Tensor& panels, int64_t n, float* out, int64_t q0, int64_t q1);
 
 // Whether products of AMX_MIN_ROWS rows or more run on AMX (panel_amx.cpp): the machine has it, the
 // process may use it, and neither COMPILED_MTP_AMX=0 nor compiled_mtp::panel_amx(False) turned it off.

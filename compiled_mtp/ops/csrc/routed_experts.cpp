@@ -192,17 +192,24 @@ static void panel_mlp(const float* x, const at::Tensor& gate, const at::Tensor& 
     const at::Tensor scratch = at::empty({2, n * inter}, gate.options());  // written in full before read
     float *act = scratch.data_ptr<float>(), *ups = act + n * inter;
     const at::Tensor g = panels_of(gate), u = panels_of(up), d = panels_of(down);
+    // Where the products round their rows to bfloat16 (bfloat16_products), the activation too: each
+    // thread rounds the columns it wrote, before the barrier.
+    const at::Tensor x_rounded = rounded_rows(x, n, h, g);
+    const at::Tensor act_rounded = x_rounded.defined() && d.scalar_type() == at::kBFloat16 ? at::empty({n, panel_columns(inter)}, x_rounded.options()) : at::Tensor();
+    const uint16_t* xr = x_rounded.defined() ? reinterpret_cast<const uint16_t*>(x_rounded.data_ptr()) : nullptr;
+    uint16_t* ar = act_rounded.defined() ? reinterpret_cast<uint16_t*>(act_rounded.data_ptr()) : nullptr;
     const int64_t inner = (inter + PANEL_LANES - 1) / PANEL_LANES, outer = (h + PANEL_LANES - 1) / PANEL_LANES;
     #pragma omp parallel num_threads(at::get_num_threads())
     {
         const int64_t t = omp_get_thread_num(), threads = omp_get_num_threads();
         const int64_t q0 = inner * t / threads, q1 = inner * (t + 1) / threads;
-        panel_run(x, n, h, g, inter, act, q0, q1);
-        panel_run(x, n, h, u, inter, ups, q0, q1);
+        panel_run(x, xr, n, h, g, inter, act, q0, q1);
+        panel_run(x, xr, n, h, u, inter, ups, q0, q1);
         const int64_t c0 = q0 * PANEL_LANES, c1 = std::min(q1 * PANEL_LANES, inter);
         for (int64_t r = 0; r < n && c1 > c0; r++) silu_mul(act + r * inter + c0, ups + r * inter + c0, c1 - c0);
+        if (ar != nullptr && c1 > c0) round_rows(act, n, inter, c0, c1, ar);
         #pragma omp barrier
-        panel_run(act, n, inter, d, h, out, outer * t / threads, outer * (t + 1) / threads);
+        panel_run(act, ar, n, inter, d, h, out, outer * t / threads, outer * (t + 1) / threads);
     }
 }
 

@@ -55,6 +55,29 @@ def _one_bucket(model, depth: int) -> Runtime:
     )
 
 
+def _depths_0_and_2(model, backend: str, bucket: int = 1) -> Runtime:
+    return Runtime(
+        model,
+        mtp_depth=2,
+        mtp_depths=(0, 2),
+        batch_sizes=(bucket,),
+        max_seq_len=48,
+        compile_backend=backend,
+        prefill_chunk=8,
+    )
+
+
+def _scheduled(rt: Runtime, prompts, params, depths: tuple[int, ...], then: int) -> list[list[int]]:
+    """Each request's tokens, streamed through steps at `depths` in turn, then at `then`."""
+    got: dict[int, list[int]] = {rt.add_request(p, params): [] for p in prompts}
+    schedule = iter(depths)
+    while rt.has_unfinished():
+        rt.mtp_depth = next(schedule, then)
+        for out in rt.step():
+            got[out.request_id] += out.new_token_ids
+    return list(got.values())
+
+
 def test_every_key_traces_whole_and_matches_reference(noisy_echo):
     rt = Runtime(
         noisy_echo,
@@ -163,28 +186,13 @@ def test_inductor_graphs_equal_the_reference(tmp_path, monkeypatch):
         monkeypatch.setattr(module, "LAG_WINDOW", 2)
     model = load_model(write_echo_checkpoint(tmp_path, mtp_noise=0.3, attn_scale=0.5, seed=4, num_layers=2))
     model.restrict_drafts(torch.arange(0, 97, 2))
-    rt = Runtime(
-        model,
-        mtp_depth=2,
-        mtp_depths=(0, 2),
-        batch_sizes=(1,),
-        max_seq_len=48,
-        compile_backend="inductor",
-        prefill_chunk=8,
-    )
+    rt = _depths_0_and_2(model, "inductor")
     prompts = _prompts(3, seed=5)
     codes: list[str] = []
     with mock.patch.object(GraphLowering, "save_output_code", codes.append):  # also called on a cache hit
         outs = rt.generate(prompts, PARAMS)
         assert [o.token_ids for o in outs] == _expected(model, prompts)
-        ids = [rt.add_request(p, PARAMS) for p in prompts]
-        got = {i: [] for i in ids}
-        schedule = iter((0, 0, 0, 2, 2, 0))
-        while rt.has_unfinished():
-            rt.mtp_depth = next(schedule, 2)
-            for out in rt.step():
-                got[out.request_id] += out.new_token_ids
-        assert list(got.values()) == _expected(model, prompts)
+        assert _scheduled(rt, prompts, PARAMS, (0, 0, 0, 2, 2, 0), then=2) == _expected(model, prompts)
     assert rt.graphs.replays[GraphKey(GraphKind.mtp_fill, 1, 0)] >= 1
     assert rt.graphs.replays[GraphKey(GraphKind.mtp_catch_up, 1, 0)] >= 1
     _assert_state_written_in_place(rt, codes)
@@ -193,15 +201,7 @@ def test_inductor_graphs_equal_the_reference(tmp_path, monkeypatch):
         for t, tk, tp, s in [(0.8, 0, 1.0, 1), (1.0, 5, 1.0, 2), (1.2, 0, 0.9, 3)]
     ]
     rt.mtp_depth = 2
-    eager = Runtime(
-        model,
-        mtp_depth=2,
-        mtp_depths=(0, 2),
-        batch_sizes=(1,),
-        max_seq_len=48,
-        compile_backend="eager",
-        prefill_chunk=8,
-    )
+    eager = _depths_0_and_2(model, "eager")
     assert [o.token_ids for o in rt.generate(prompts, sampled)] == [
         o.token_ids for o in eager.generate(prompts, sampled)
     ]
@@ -219,15 +219,7 @@ def test_bfloat16_products_give_the_same_tokens_at_every_depth_alone_and_batched
     with torch.no_grad():
         for weight in model.parameters():
             weight.copy_(weight.bfloat16())
-    rt = Runtime(
-        model,
-        mtp_depth=2,
-        mtp_depths=(0, 2),
-        batch_sizes=(4,),
-        max_seq_len=48,
-        compile_backend="inductor",
-        prefill_chunk=8,
-    )
+    rt = _depths_0_and_2(model, "inductor", bucket=4)
     prompts = _prompts(4, seed=7)
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     outputs = {}
@@ -236,14 +228,7 @@ def test_bfloat16_products_give_the_same_tokens_at_every_depth_alone_and_batched
             rt.mtp_depth = k
             outputs[k, 4] = [o.token_ids for o in rt.generate(prompts, params)]
             outputs[k, 1] = [rt.generate([p], params)[0].token_ids for p in prompts]
-        ids = [rt.add_request(p, params) for p in prompts]
-        got = {i: [] for i in ids}
-        schedule = iter((2, 0, 0, 2, 0, 2))
-        while rt.has_unfinished():
-            rt.mtp_depth = next(schedule, 0)
-            for out in rt.step():
-                got[out.request_id] += out.new_token_ids
-        outputs["switched"] = list(got.values())
+        outputs["switched"] = _scheduled(rt, prompts, params, (2, 0, 0, 2, 0, 2), then=0)
     assert all(tokens == outputs[0, 1] for tokens in outputs.values())
     dense = model.model.layers[0].mlp  # the MoE layer's shared experts stay in Inductor's code
     assert isinstance(dense, MLP)

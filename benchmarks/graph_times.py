@@ -18,11 +18,13 @@ import statistics
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 from compiled_mtp import DEFAULT_MODEL, Runtime, SamplingParams
 from compiled_mtp.bench import bench_prompts
 from compiled_mtp.capture.compiler import CompiledGraphs
 from compiled_mtp.depth_policy import depth_arg
+from compiled_mtp.graphs.plan import GraphKey
 
 
 def main() -> None:
@@ -41,16 +43,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="timed generations (default: 3)")
     args = parser.parse_args()
     rt = timed_runtime(args.depth, args.batch, args.slots, args.cache_dir)
-    calls: dict[str, list[float]] = defaultdict(list)
-    replay = CompiledGraphs.__call__
-
-    def timed(graphs: CompiledGraphs, key, *inputs):  # the replayed call, timed
-        start = time.perf_counter()
-        out = replay(graphs, key, *inputs)
-        calls[key.name].append(time.perf_counter() - start)
-        return out
-
-    CompiledGraphs.__call__ = timed  # type: ignore[method-assign]
+    calls = timing_calls()
     prompts, params = timed_work(rt, args.batch, args.new_tokens)
     generate(rt, prompts, params, args.then)
     best: dict[str, float] = {}
@@ -68,6 +61,21 @@ def main() -> None:
     )
     for name in sorted(best):
         print(f"  {name:<24}{best[name]:8.3f}  ({counts[name]} calls a generation)")
+
+
+def timing_calls() -> dict[str, list[float]]:
+    """Every graph call's wall time from now on, by graph name: the caller clears it between rounds."""
+    calls: dict[str, list[float]] = defaultdict(list)
+    replay = CompiledGraphs.__call__
+
+    def timed(graphs: CompiledGraphs, key: GraphKey, *inputs: Any) -> Any:
+        start = time.perf_counter()
+        out = replay(graphs, key, *inputs)
+        calls[key.name].append(time.perf_counter() - start)
+        return out
+
+    CompiledGraphs.__call__ = timed  # type: ignore[method-assign]
+    return calls
 
 
 def timed_runtime(depth: int | str, batch: int, slots: int | None, cache_dir: Path | None) -> Runtime:

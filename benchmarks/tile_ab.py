@@ -14,16 +14,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
 
 import torch
-from graph_times import timed_runtime, timed_work
-
-from compiled_mtp.capture.compiler import CompiledGraphs
-from compiled_mtp.graphs.plan import GraphKey
+from graph_times import timed_runtime, timed_work, timing_calls
 
 
 def main() -> None:
@@ -38,16 +33,7 @@ def main() -> None:
     rows = torch.ops.compiled_mtp.panel_amx(True)
     if not rows:
         print("no AMX here: both runs take the vector path")
-    calls: dict[str, list[float]] = defaultdict(list)
-    replay = CompiledGraphs.__call__
-
-    def timed(graphs: CompiledGraphs, key: GraphKey, *inputs: Any) -> Any:
-        start = time.perf_counter()
-        out = replay(graphs, key, *inputs)
-        calls[key.name].append(time.perf_counter() - start)
-        return out
-
-    CompiledGraphs.__call__ = timed  # type: ignore[method-assign]
+    calls = timing_calls()
     medians: dict[tuple[str, bool], list[float]] = defaultdict(list)
     for round_ in range(args.rounds + 1):  # the first warms both up
         for depth in args.depths:

@@ -127,7 +127,7 @@ class Meta:
     accept_prompts: int
     draft_vocab: int | None = None  # drafts among this many most frequent tokens (None: all)
     hf_attention: str = ""
-    bfloat16_products: bool = False  # the dense MLPs multiplied in bfloat16 (--fp32-precision bf16)
+    bfloat16_mlps: bool = False  # the dense MLPs multiplied in bfloat16 (--bfloat16-mlps)
     compiles: int = 0
     recompiles: int = 0
 
@@ -941,7 +941,7 @@ def print_report(r: BenchResult) -> None:
     m, bound = r.meta, r.bound
     print(f"\ncompiled_mtp bench: {m.model}")
     drafts = f"; drafts among the {m.draft_vocab} most frequent tokens" if m.draft_vocab else ""
-    products = " (dense MLPs multiply in bfloat16)" if m.bfloat16_products else ""
+    products = " (dense MLPs multiply in bfloat16)" if m.bfloat16_mlps else ""
     print(
         f"device: {m.device} ({m.device_name}); {m.dtype}{products}; backend {m.backend}"
         f"; {m.new_tokens} new tokens, greedy; best of {m.runs}{drafts}"
@@ -1198,7 +1198,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="skip the llama.cpp rows (default: run them on CPU when llama-cpp-python is installed)",
     )
     add_pass_switch(parser)
-    library.add_precision_option(parser)
+    library.add_bfloat16_option(parser)
 
 
 def _llama_cpp(args: argparse.Namespace, model_type: str, folder: Path) -> Peers:
@@ -1278,7 +1278,7 @@ def run(args: argparse.Namespace) -> None:
         prompts=prompts.detail,
         accept_prompts=args.accept_prompts,
         draft_vocab=args.draft_vocab,
-        bfloat16_products=args.device == "cpu" and args.dtype == "float32" and library.bfloat16_products(),
+        bfloat16_mlps=args.device == "cpu" and args.dtype == "float32" and library.bfloat16_products(),
     )
     print(f"benchmarking {args.model} on {meta.device_name}; prompts: {prompts.detail}", flush=True)
     with tempfile.TemporaryDirectory() as folder:

@@ -25,7 +25,7 @@ from .models.gguf_export import DTYPES as GGUF_DTYPES
 from .models.gguf_export import export_gguf
 from .models.registry import family_of, read_config
 from .models.synthetic import PRESETS, preset_config, write_random_checkpoint
-from .ops.library import add_precision_option, apply_precision
+from .ops.library import add_bfloat16_option, apply_bfloat16_option
 from .passes.manager import add_pass_switch, without
 from .runtime import MAX_SEED, RequestOutput, Runtime, SamplingParams
 from .tokenizer import Tokenizer
@@ -422,7 +422,7 @@ def _add_engine_options(p: argparse.ArgumentParser, backend: bool = True) -> Non
             help="do not report graph builds on stderr (default: report them)",
         )
     add_pass_switch(p)
-    add_precision_option(p)
+    add_bfloat16_option(p)
 
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:
@@ -632,7 +632,7 @@ def main(argv: list[str] | None = None) -> None:
     # capture draws its own progress bar
     progress.disabled = getattr(args, "no_progress", False) or args.command == "capture"
     try:
-        apply_precision(args)
+        apply_bfloat16_option(args)
         args.func(args)
     except (ArtifactError, CheckpointError, ProfileError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,5 +1,5 @@
-"""torch's CPU float32 precision (torch.backends.mkldnn.matmul.fp32_precision) inside a block, and
-whether "bf16" gets the C++ ops' bfloat16 dot products on this machine (csrc/panels.h)."""
+"""The dense MLPs' bfloat16 products (compiled_mtp.ops.library.bfloat16_products) inside a block, and
+whether this machine has them."""
 
 from __future__ import annotations
 
@@ -7,22 +7,21 @@ import contextlib
 from collections.abc import Iterator
 
 import pytest
-import torch
 
 from compiled_mtp.ops import library
 
 
 @contextlib.contextmanager
-def fp32_precision(name: str) -> Iterator[None]:
-    """torch.backends.mkldnn.matmul.fp32_precision = name inside; after, as it was."""
-    before = torch.backends.mkldnn.matmul.fp32_precision
-    torch.backends.mkldnn.matmul.fp32_precision = name
+def bfloat16_mlps() -> Iterator[None]:
+    """The bfloat16 products on inside; after, as they were."""
+    before = library.bfloat16_products()
+    library.bfloat16_products(True)
     try:
         yield
     finally:
-        torch.backends.mkldnn.matmul.fp32_precision = before
+        library.bfloat16_products(before)
 
 
-with fp32_precision("bf16"):
+with bfloat16_mlps():
     BFLOAT16_DOT = library.bfloat16_products()
 needs_bfloat16_dot = pytest.mark.skipif(not BFLOAT16_DOT, reason="no AVX512-BF16 dot products here")

@@ -25,7 +25,7 @@ from compiled_mtp.models.layers import MLP
 from compiled_mtp.passes import narrow_linear, packed_linear
 from compiled_mtp.reference import reference_generate
 from tests.checkpoints import write_echo_checkpoint
-from tests.precision import fp32_precision, needs_bfloat16_dot
+from tests.precision import bfloat16_mlps, needs_bfloat16_dot
 
 PARAMS = SamplingParams(max_new_tokens=10, ignore_eos=True)
 
@@ -211,8 +211,8 @@ def test_inductor_graphs_equal_the_reference(tmp_path, monkeypatch):
 
 @needs_bfloat16_dot
 def test_bfloat16_products_give_the_same_tokens_at_every_depth_alone_and_batched(tiny_checkpoint):
-    """With torch's CPU float32 precision at "bf16" the dense MLP (bfloat16 weights, read from panels
-    on 1-16 rows) multiplies bfloat16-rounded rows, in the same graphs (csrc/panels.h). A row's
+    """With bfloat16_products on, the dense MLP (bfloat16 weights, read from panels on 1-16 rows)
+    multiplies bfloat16-rounded rows, in the same graphs (csrc/panels.h). A row's
     products do not depend on the rows beside it, so greedy tokens are the same at depths 0 and 2,
     alone (beside padded rows) and four at a time, and through a schedule that switches depth."""
     model = load_model(tiny_checkpoint)
@@ -223,7 +223,7 @@ def test_bfloat16_products_give_the_same_tokens_at_every_depth_alone_and_batched
     prompts = _prompts(4, seed=7)
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     outputs = {}
-    with fp32_precision("bf16"):
+    with bfloat16_mlps():
         for k in (0, 2):
             rt.mtp_depth = k
             outputs[k, 4] = [o.token_ids for o in rt.generate(prompts, params)]

@@ -22,7 +22,7 @@ from compiled_mtp.models.layers import dense_mlp, gathered_experts
 from compiled_mtp.ops import library
 from compiled_mtp.passes import narrow_linear
 from compiled_mtp.passes.manager import PassManager, available
-from tests.precision import BFLOAT16_DOT, fp32_precision, needs_bfloat16_dot
+from tests.precision import BFLOAT16_DOT, bfloat16_mlps, needs_bfloat16_dot
 
 ops = torch.ops.compiled_mtp
 aten = torch.ops.aten
@@ -205,19 +205,11 @@ def test_dense_mlp_on_amx_is_the_model_function(rows):
     assert tiles <= 2 * vector
 
 
-def test_bfloat16_products_follow_torchs_cpu_float32_precision():
-    """Only "bf16" (torch.backends.mkldnn.matmul.fp32_precision, or a setting above it) lets the ops
-    multiply in bfloat16, and only where the machine can."""
-    assert not ops.bfloat16_products()  # torch's default
-    for name, allowed in [("ieee", False), ("bf16", BFLOAT16_DOT), ("tf32", False)]:
-        with fp32_precision(name):
-            assert ops.bfloat16_products() == allowed, name
-    with fp32_precision("none"):
-        torch.backends.mkldnn.fp32_precision = "bf16"
-        try:
-            assert ops.bfloat16_products() == BFLOAT16_DOT
-        finally:
-            torch.backends.mkldnn.fp32_precision = "none"
+def test_bfloat16_products_switch_on_only_where_the_machine_has_them():
+    """Off in a new process; on where AVX512-BF16 is, and off again."""
+    assert not ops.bfloat16_products()
+    assert ops.bfloat16_products(True) == BFLOAT16_DOT == ops.bfloat16_products()
+    assert not ops.bfloat16_products(False) and not ops.bfloat16_products()
 
 
 @needs_bfloat16_dot
@@ -226,7 +218,7 @@ def test_bfloat16_products_follow_torchs_cpu_float32_precision():
     rows=st.integers(1, 16), hidden=st.integers(1, 70), inter=st.integers(1, 90), seed=st.integers(0, 2**16)
 )
 def test_dense_mlp_in_bfloat16_gives_each_row_its_own_products(rows, hidden, inter, seed):
-    """Under "bf16" the MLP of bfloat16 weights rounds its rows and its activation to bfloat16 and
+    """With bfloat16_products on, the MLP of bfloat16 weights rounds its rows and its activation to bfloat16 and
     adds the products in float32: each row's output is bit for bit the one it gets alone (a verify's
     row, the depth-0 step's), and the model function's on the rounded rows within a bfloat16 step of
     the activation. panel_linear still multiplies in float32. Odd widths take the padding's zeros."""
@@ -235,7 +227,7 @@ def test_dense_mlp_in_bfloat16_gives_each_row_its_own_products(rows, hidden, int
     x = torch.randn(rows, hidden, generator=gen)
     with vector_products():
         exact = ops.panel_linear(x, gate), ops.dense_mlp(x, gate, up, down)
-        with fp32_precision("bf16"):
+        with bfloat16_mlps():
             got = ops.dense_mlp(x, gate, up, down)
             alone = torch.cat([ops.dense_mlp(x[r : r + 1], gate, up, down) for r in range(rows)])
             assert torch.equal(ops.panel_linear(x, gate), exact[0])

@@ -15,6 +15,7 @@ import functools
 import hashlib
 import itertools
 import os
+import sys
 import warnings
 import weakref
 from pathlib import Path
@@ -131,27 +132,28 @@ def settle(model: torch.nn.Module, move: bool) -> None:
             torch.ops.compiled_mtp.move_to_huge_pages(tensor)
 
 
-FP32_PRECISIONS = ("ieee", "bf16")
-
-
-def add_precision_option(parser: argparse.ArgumentParser) -> None:
-    """The command-line option for torch.backends.mkldnn.matmul.fp32_precision (main applies it)."""
+def add_bfloat16_option(parser: argparse.ArgumentParser) -> None:
+    """The command-line switch for bfloat16_products (main applies it)."""
     parser.add_argument(
-        "--fp32-precision",
-        choices=FP32_PRECISIONS,
-        help="CPU float32 products, as torch.backends.mkldnn.matmul.fp32_precision: bf16 lets the dense "
-        "MLPs (and oneDNN) multiply activations rounded to bfloat16 where the CPU has AVX512-BF16, "
-        "adding in float32 (default: torch's, ieee)",
+        "--bfloat16-mlps",
+        action="store_true",
+        help="let the dense MLPs multiply activations rounded to bfloat16 where the CPU has "
+        "AVX512-BF16, adding in float32 (default: float32 products)",
     )
 
 
-def apply_precision(args: argparse.Namespace) -> None:
-    """--fp32-precision, where the command takes and was given it."""
-    if getattr(args, "fp32_precision", None):
-        torch.backends.mkldnn.matmul.fp32_precision = args.fp32_precision  # type: ignore[attr-defined]
+def apply_bfloat16_option(args: argparse.Namespace) -> None:
+    """--bfloat16-mlps, where the command takes and was given it."""
+    if getattr(args, "bfloat16_mlps", False) and not bfloat16_products(True):
+        print(
+            "compiled_mtp: --bfloat16-mlps: this CPU or build has no AVX512-BF16; the MLPs stay float32",
+            file=sys.stderr,
+        )
 
 
-def bfloat16_products() -> bool:
-    """Whether the dense MLPs multiply in bfloat16 now: torch.backends.mkldnn.matmul.fp32_precision is
-    bf16, the library loads and the CPU has AVX512-BF16 (csrc/panels.h)."""
-    return load() and torch.ops.compiled_mtp.bfloat16_products()
+def bfloat16_products(enabled: bool | None = None) -> bool:
+    """Whether the dense MLPs multiply in bfloat16, for the whole process: their rows and activation
+    rounded to bfloat16, the products added in float32 (csrc/panels.h). Given `enabled`, turns that on
+    (only where the library loads and the CPU has AVX512-BF16) or off first. The ops read it at each
+    call, so the same graphs serve both."""
+    return load() and torch.ops.compiled_mtp.bfloat16_products(enabled)

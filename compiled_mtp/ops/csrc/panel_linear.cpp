@@ -2,12 +2,13 @@
 // from the weight's panels (panels.h), and the panels' copies and product that dense_mlp shares.
 #include <c10/core/StorageImpl.h>
 
-#include <ATen/Context.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/bit_cast.h>
 
+#include <atomic>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <type_traits>
 #include <unordered_map>
 
@@ -304,14 +305,24 @@ at::Tensor panels_of(const at::Tensor& w) {
     return copies.insert_or_assign(w.data_ptr(), std::move(entry)).first->second.packed;
 }
 
-bool bfloat16_products() {
 #if defined(COMPILED_MTP_HAS_BF16_DOT)
-    static const bool machine = (__builtin_cpu_init(), __builtin_cpu_supports("avx512bf16"));
-    return machine && at::globalContext().float32Precision(at::Float32Backend::MKLDNN, at::Float32Op::MATMUL) == at::Float32Precision::BF16;
-#else
-    return false;
-#endif
+namespace {
+const bool bf16_dot_available = (__builtin_cpu_init(), __builtin_cpu_supports("avx512bf16"));
+std::atomic<bool> bf16_on{false};
+}  // namespace
+
+bool bfloat16_products() { return bf16_on.load(std::memory_order_relaxed); }
+
+// compiled_mtp::bfloat16_products(bool? enabled=None) -> bool: turns the rounding on or off when given
+// `enabled` (on only where the machine has the dot products), and returns whether it is on.
+bool bfloat16_products_switch(std::optional<bool> enabled) {
+    if (enabled.has_value()) bf16_on = *enabled && bf16_dot_available;
+    return bfloat16_products();
 }
+#else
+bool bfloat16_products() { return false; }
+bool bfloat16_products_switch(std::optional<bool>) { return false; }
+#endif
 
 void round_rows(const float* x, int64_t rows, int64_t k, int64_t c0, int64_t c1, uint16_t* out) {
     const int64_t stride = panel_columns(k);
@@ -367,7 +378,7 @@ int64_t panel_bytes(const at::Tensor& w) {
 COMPILED_MTP_OP(panel_linear, "(Tensor x, Tensor weight) -> Tensor")
 TORCH_LIBRARY_FRAGMENT(compiled_mtp, m) {
     m.def("panel_bytes(Tensor weight) -> int");
-    m.def("bfloat16_products() -> bool", bfloat16_products);
+    m.def("bfloat16_products(bool? enabled=None) -> bool", bfloat16_products_switch);
 }
 TORCH_LIBRARY_IMPL(compiled_mtp, CPU, m) { m.impl("panel_bytes", panel_bytes); }
 

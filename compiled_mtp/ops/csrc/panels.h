@@ -40,12 +40,13 @@ at::Tensor panels_of(const at::Tensor& weight);
 #define COMPILED_MTP_HAS_BF16_DOT 1
 #endif
 
-// Whether dense_mlp may round its rows and its activation to bfloat16 and multiply them by bfloat16
-// panels on the bfloat16 dot products, adding in float32: torch lets oneDNN's float32 products do
-// the same (torch.backends.mkldnn.matmul.fp32_precision, or a setting above it, is "bf16") and the
-// machine has them. Asked once a call, so the same graphs serve both. panel_linear never rounds:
-// narrow_linear leaves its smaller weights to Inductor's float32 code on one row, and a row must get
-// the same products at every depth (docs/passes.md).
+// Whether dense_mlp rounds its rows and its activation to bfloat16 and multiplies them by bfloat16
+// panels on the bfloat16 dot products, adding in float32: off until compiled_mtp::bfloat16_products
+// (True) turns it on, which it does only where the machine has them. Asked once a call, so the same
+// graphs serve both. A process switch of its own, not torch's float32 precision for oneDNN: that
+// one also makes oneDNN's packed float32 products (a prefill's) round, 1.09x the prefill's time here.
+// panel_linear never rounds: narrow_linear leaves its smaller weights to Inductor's float32 code on
+// one row, and a row must get the same products at every depth (docs/passes.md).
 bool bfloat16_products();
 
 // Columns [c0, c1) of rows x [rows, k] rounded to the nearest bfloat16, into [rows][panel_columns(k)];

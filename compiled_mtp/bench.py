@@ -216,8 +216,10 @@ class Bound:
     target_flops: int = 0  # of one target forward's weights, per row
     mtp_step_flops: list[int] = field(default_factory=list)  # of one draft step's, per row and MTP layer
     roofline_steps_per_s: dict[str, float] = field(default_factory=dict)  # by "K/B": bytes or arithmetic
-    tile_rows: int = 0  # rows from which the ops' products of bfloat16 weights run on AMX; 0: none do
-    tile_flops_per_s: float = 0.0  # their rate: the best of 5 such products of 16 rows, on a weight in cache
+    # Rows from which the ops' products of bfloat16 weights run faster than float32's (on AMX's tiles,
+    # or from 1 row on the bfloat16 dot products, --bfloat16-mlps); 0: none do.
+    tile_rows: int = 0
+    tile_flops_per_s: float = 0.0  # their rate: the best of 5 such products of 16 rows, on weights in cache
 
 
 @dataclass
@@ -705,15 +707,21 @@ def bandwidth_bound(
 
 
 def tile_rate(device: str, dtype: torch.dtype, runs: int = 5) -> tuple[int, float]:
-    """(rows from which the C++ ops multiply bfloat16 weights on AMX's tiles, the float operations per
-    second of the fastest of `runs` products of 16 rows by a [512, 1024] weight of bfloat16 values,
-    which stays in cache): (0, 0.0) where they do not run (no AMX, another device or dtype)."""
+    """(rows from which the C++ ops multiply faster than torch.mm in float32, the float operations per
+    second of the fastest of `runs` such products of 16 rows by weights of bfloat16 values, which stay
+    in cache): with bfloat16_products on, 1 row and a dense MLP of [512, 1024] weights on the bfloat16
+    dot products; else AMX's first row count (panel_amx) and a [512, 1024] weight on the tiles; (0, 0.0)
+    where neither runs (no AMX, another device or dtype)."""
     if device != "cpu" or dtype != torch.float32 or not library.load():
         return 0, 0.0
-    rows = torch.ops.compiled_mtp.panel_amx()  # as they are: a bench times the engine as it runs
+    x, weight = torch.randn(16, 1024), torch.randn(512, 1024).bfloat16().float()
+    if library.bfloat16_products():  # as they are: a bench times the engine as it runs
+        down = torch.randn(1024, 512).bfloat16().float()
+        mlp = partial(torch.ops.compiled_mtp.dense_mlp, x, weight, weight, down)
+        return 1, 2 * x.shape[0] * 3 * weight.numel() / best_of(runs, device, mlp)
+    rows = torch.ops.compiled_mtp.panel_amx()
     if not rows:
         return 0, 0.0
-    x, weight = torch.randn(16, 1024), torch.randn(512, 1024).bfloat16().float()
     product = partial(torch.ops.compiled_mtp.panel_linear, x, weight)
     return rows, 2 * x.shape[0] * weight.numel() / best_of(runs, device, product)
 
@@ -1002,8 +1010,9 @@ def print_report(r: BenchResult) -> None:
         )
     if bound.flops_per_s:
         per_draft_row = ", ".join(f"{x / 1e6:.2f}" for x in bound.mtp_step_flops) or "-"
+        unit = "the bfloat16 dot products, every product counted" if m.bfloat16_mlps else "AMX's tiles"
         tiles = (
-            f" (products of {bound.tile_rows}+ rows on AMX's tiles: {bound.tile_flops_per_s / 1e9:.0f} GFLOP/s)"
+            f" (products of {bound.tile_rows}+ rows on {unit}: {bound.tile_flops_per_s / 1e9:.0f} GFLOP/s)"
             if bound.tile_rows
             else ""
         )

@@ -20,6 +20,7 @@ from compiled_mtp.capture.profile import DEFAULT_MODEL
 from compiled_mtp.cli import main
 from compiled_mtp.models.gguf_export import LAYOUTS
 from tests.checkpoints import write_echo_checkpoint
+from tests.precision import bfloat16_mlps, needs_bfloat16_dot
 
 DEPTHS, BATCHES = (0, 1, 2), (1, 2)
 NEW_TOKENS = 8
@@ -329,6 +330,17 @@ def test_a_roofline_step_counts_every_row_of_its_graphs():
     # From 9 rows on (the verify and the extend), the products at 1170 a second: 3 rows still at 1320.
     bench.add_roofline(bound, (100, [40], 10), 1320.0, (9, 1170.0))
     assert bound.roofline_steps_per_s["2/3"] == pytest.approx(1 / (1170 / 1170 + 150 / 1320))
+
+
+@needs_bfloat16_dot
+def test_the_roofline_takes_the_bfloat16_mlps_rate_from_one_row_while_they_are_on():
+    """With --bfloat16-mlps every row count multiplies at the dense MLP's bfloat16 rate, which beats
+    torch.mm's float32 one on these cores; off, AMX's tiles (or nothing) as before."""
+    rows_off = bench.tile_rate("cpu", torch.float32)[0]
+    with bfloat16_mlps():
+        rows, rate = bench.tile_rate("cpu", torch.float32)
+    assert rows == 1 and rate > bench.gemm_rate("cpu", torch.float32)
+    assert bench.tile_rate("cpu", torch.float32)[0] == rows_off == torch.ops.compiled_mtp.panel_amx()
 
 
 def test_weight_bytes_count_the_panels_an_op_reads_in_place_of_a_weight(echo_checkpoint):

@@ -37,7 +37,12 @@ class BenchSystems:
     and one at "auto" over them, drafting among the 1024 most frequent tokens, with the bench's prompts."""
 
     def __init__(
-        self, batch: int, count: int, cache_dir: str | None, depths: Sequence[int] = (0, 1, 2, 3)
+        self,
+        batch: int,
+        count: int,
+        cache_dir: str | None,
+        depths: Sequence[int] = (0, 1, 2, 3),
+        buckets: Sequence[int] = (),
     ) -> None:
         parser = argparse.ArgumentParser()
         add_arguments(parser)
@@ -46,7 +51,7 @@ class BenchSystems:
                 "--depths",
                 *map(str, depths),
                 "--batch-sizes",
-                *map(str, sorted({1, batch})),
+                *map(str, sorted({1, batch, *buckets})),
                 "--new-tokens",
                 "64",
             ]

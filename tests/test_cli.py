@@ -20,8 +20,10 @@ from compiled_mtp.capture.compiler import progress
 from compiled_mtp.cli import build_parser, main
 from compiled_mtp.detokenize import IncrementalText
 from compiled_mtp.models.checkpoint import load_model
+from compiled_mtp.ops import library
 from compiled_mtp.reference import reference_generate
 from compiled_mtp.tokenizer import Tokenizer
+from tests.precision import BFLOAT16_DOT
 
 ENGINE = ["--backend", "eager", "--max-seq-len", "128"]
 
@@ -358,3 +360,26 @@ def test_demo_runs_every_depth_and_prints_the_greedy_text(capsys):
         0
     ].token_ids
     assert out.endswith("generated (auto, greedy):\n" + DEMO_PROMPT + tokenizer.decode(expected) + "\n")
+
+
+def test_bfloat16_mlps_turns_the_products_on_for_the_process(text_model, capsys):
+    """--bfloat16-mlps turns the MLPs' bfloat16 products on where the machine has them, and says so on
+    stderr in one line where it does not."""
+    try:
+        main(
+            [
+                "generate",
+                "def",
+                "--model",
+                str(text_model),
+                "--max-new-tokens",
+                "2",
+                "--bfloat16-mlps",
+                *ENGINE,
+            ]
+        )
+        err = capsys.readouterr().err
+        assert library.bfloat16_products() == BFLOAT16_DOT
+        assert ("AVX512-BF16" in err) != BFLOAT16_DOT
+    finally:
+        library.bfloat16_products(False)

@@ -421,8 +421,8 @@ def _add_engine_options(p: argparse.ArgumentParser, backend: bool = True) -> Non
             action="store_true",
             help="do not report graph builds on stderr (default: report them)",
         )
+        add_bfloat16_option(p)  # how graphs run, not which are built: capture has no use for it
     add_pass_switch(p)
-    add_bfloat16_option(p)
 
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:

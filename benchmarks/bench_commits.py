@@ -7,10 +7,12 @@ tokens, 64 new tokens each, `--batch` at a time (default 1) at depth --depth (or
 that have it) on the shipped model of that commit. The REVs take turns within every round, so a
 change in the machine's memory speed meets them all; a REV's figure is its best round's fastest
 generation, in ms per decode step or, with --per-token, per token decoded (what "auto" changes: its
-steps commit different numbers of tokens), beside its median round.
+steps commit different numbers of tokens), beside its median round. `--bfloat16-mlps` turns on the
+bfloat16 MLP products in every process (on commits that have them).
 
     python benchmarks/bench_commits.py HEAD~1 HEAD [--depth 3] [--batch 1] [--rounds 3] [--draft-vocab 1024]
     python benchmarks/bench_commits.py HEAD~1 HEAD --depth auto --per-token --batch 4 --rounds 10
+    python benchmarks/bench_commits.py HEAD~1 HEAD --depth 1 --batch 4 --bfloat16-mlps
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ from compiled_mtp.bench import bench_prompts
 depth, cache, prompts, vocab = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]) or None
 batch, per_token = int(sys.argv[5]), sys.argv[6] == "1"
 sys.path.append(sys.argv[7])
+if sys.argv[8] == "1":
+    from compiled_mtp.ops.library import bfloat16_products
+    bfloat16_products(True)
 from bench_checkpoints import PARAMS, decode
 depth = depth if depth == "auto" else int(depth)
 rt = Runtime.from_pretrained(
@@ -84,6 +89,7 @@ def run(tree: Path, args: argparse.Namespace) -> list[float]:
         str(args.batch),
         str(int(args.per_token)),
         str(Path(__file__).resolve().parent),
+        str(int(args.bfloat16_mlps)),
     ]
     return run_child(tree, CHILD, argv)
 
@@ -100,6 +106,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1, help="prompts decoded at once (default: 1)")
     parser.add_argument("--draft-vocab", type=int, default=1024, help="0: every token")
     parser.add_argument("--work", type=Path, default=Path("/tmp/compiled_mtp_commits"))
+    parser.add_argument("--bfloat16-mlps", action="store_true", help="the MLPs' products in bfloat16")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     trees = {rev: checkout(rev, args.work) for rev in args.revs}

@@ -2,7 +2,7 @@
 16 rows, against its weight bytes and its arithmetic.
 
 `compiled_mtp::dense_mlp` (the op fuse_dense_mlp puts in a verify graph) runs the default model's
-MLP shape (hidden 256, intermediate 1024) over `--layers` distinct weight sets in turn, so the
+MLP shape (hidden 256, intermediate 1792) over `--layers` distinct weight sets in turn, so the
 weights are read from memory and the last-level cache as in a model's forward ("cold"), and over one
 set ("hot": the weights stay in cache). Beside each time: what streaming the weights at the
 measured copy bandwidth would take, and what the multiply-adds would take at the fp32 rate a large
@@ -10,12 +10,14 @@ measured copy bandwidth would take, and what the multiply-adds would take at the
 come close to them, which a bound counting bytes alone does not see; from 8 (a batch of 4 verifying
 drafts) they set it.
 
-    python benchmarks/bench_mlp_rows.py [--hidden 256] [--inter 1024] [--layers 11] [--rounds 5]
-                                        [--rows 1 4 8 16] [--values bfloat16] [--against REV]
+    python benchmarks/bench_mlp_rows.py [--hidden 256] [--inter 1792] [--layers 11] [--rounds 5]
+                                        [--rows 1 4 8 16] [--values bfloat16] [--bfloat16-mlps]
+                                        [--against REV]
 
 The weights hold bfloat16 values by default, as a bfloat16 checkpoint's (the shipped model's) do once
 upcast: the op reads them from bfloat16 panels, half the bytes (ops/csrc/panels.h); `--values
-float32` times float32 panels.
+float32` times float32 panels. `--bfloat16-mlps` rounds the rows to bfloat16 and multiplies them on the
+bfloat16 dot products (`library.bfloat16_products`), in both kernels where `--against` builds a second.
 
 With `--against REV` the ops of git revision REV are built beside this checkout's (in a namespace of
 their own) and both dense_mlp kernels run in turns, round after round, cold and then hot, so a drift
@@ -93,6 +95,7 @@ def op_at(rev: str):
         build_directory=str(folder),
         is_python_module=False,
     )
+    torch.ops.compiled_mtp_at_rev.bfloat16_products(library.bfloat16_products())
     return torch.ops.compiled_mtp_at_rev.dense_mlp
 
 
@@ -112,7 +115,7 @@ def in_turns(ops: dict, x: torch.Tensor, weights: list, rounds: int) -> dict[str
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--inter", type=int, default=1024)
+    parser.add_argument("--inter", type=int, default=1792)
     parser.add_argument("--layers", type=int, default=11, help="distinct weight sets read in turn (cold)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16], help="row counts timed")
@@ -123,9 +126,11 @@ def main() -> None:
         default="bfloat16",
         help="the weights' values: bfloat16 ones, upcast, or any float32 (default: bfloat16)",
     )
+    library.add_bfloat16_option(parser)
     args = parser.parse_args()
     if not library.load():
         raise SystemExit("error: the C++ ops did not build on this machine")
+    library.apply_bfloat16_option(args)
     h, inter = args.hidden, args.inter
     values = torch.bfloat16 if args.values == "bfloat16" else torch.float32
     weights = [

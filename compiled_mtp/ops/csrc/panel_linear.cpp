@@ -34,6 +34,20 @@ constexpr int64_t FEW_ROWS = 0, FEW_ROW_PANELS = PANELS, FOUR_ROW_PANELS = PANEL
 // Bytes of each panel prefetched ahead (96 steps along `in` of float32): with the hardware's prefetch
 // alone, a cold MLP at 4-16 rows took 1.05-1.2x the time, in turns (benchmarks/README.md).
 constexpr int64_t AHEAD_BYTES = 96 * LANES * sizeof(float);
+// Prefetches panel p of a group of P, whose columns lie `stride` apart, `ahead` columns after column
+// c: past the panel's end, at the same place in the next group's panel p, which the thread reads
+// after this group (a thread's last group prefetches the next thread's first; a prefetch never
+// faults). Straight on, the address fell in the group's next panel, already being read, and the next
+// group started cold: a cold MLP at 2-16 rows took 1.09-1.3x the time. One row is left to the
+// hardware, which kept pace with it; its prefetches only cost instructions (benchmarks/README.md,
+// "Prefetches that wrap into the next group").
+template <int R, int P, typename W>
+inline void prefetch_ahead(const W* group, int64_t p, int64_t stride, int64_t c, int64_t ahead) {
+    if constexpr (R >= 2) {
+        const int64_t at = c + ahead;
+        __builtin_prefetch(group + (p * stride + at + (at < stride ? 0 : (P - 1) * stride)) * LANES, 0, 1);
+    }
+}
 // Panels of at most this many bytes are multiplied on the calling thread alone: on the shipped model's
 // kv_a and q_b projections (40 and 48 KB of bfloat16 panels) opening a parallel region cost more than
 // the second core saved, at 4 to 16 rows (benchmarks/README.md, "Small products on one thread").
@@ -151,7 +165,7 @@ void block(const float* x, const float* panels, float* out, int64_t k, int64_t n
     for (int64_t c = 0; c < k; c++) {
         Vec w[P];
         for (int p = 0; p < P; p++) {
-            __builtin_prefetch(panels + (p * k + c + ahead) * LANES, 0, 1);  // never faults, also past the end
+            prefetch_ahead<R, P>(panels, p, k, c, ahead);
             w[p] = load_lanes(panels + (p * k + c) * LANES);
         }
         for (int r = 0; r < R; r++) {
@@ -172,9 +186,8 @@ inline void pair_step(const float* x, const uint16_t* panels, int64_t k, int64_t
     for (int p0 = 0; p0 < P; p0 += held) {
         Vec w[held][2];
         for (int p = 0; p < held; p++) {
-            const uint16_t* pair = panels + ((p0 + p) * stride + c) * LANES;
-            __builtin_prefetch(pair + ahead * LANES, 0, 1);  // never faults, also past the end
-            load_pairs(pair, w[p]);
+            prefetch_ahead<R, P>(panels, p0 + p, stride, c, ahead);
+            load_pairs(panels + ((p0 + p) * stride + c) * LANES, w[p]);
         }
         for (int r = 0; r < R; r++) {
             const Vec even(x[r * k + c]);
@@ -214,9 +227,8 @@ void block(const uint16_t* x, const uint16_t* panels, float* out, int64_t k, int
     for (int64_t c = 0; c < k; c += 2) {
         __m512bh w[P];
         for (int p = 0; p < P; p++) {
-            const uint16_t* pair = panels + (p * stride + c) * LANES;
-            __builtin_prefetch(pair + ahead * LANES, 0, 1);  // never faults, also past the end
-            w[p] = (__m512bh)_mm512_loadu_si512(pair);
+            prefetch_ahead<R, P>(panels, p, stride, c, ahead);
+            w[p] = (__m512bh)_mm512_loadu_si512(panels + (p * stride + c) * LANES);
         }
         for (int r = 0; r < R; r++) {
             int32_t both;

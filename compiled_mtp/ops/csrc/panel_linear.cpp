@@ -35,18 +35,18 @@ constexpr int64_t FEW_ROWS = 0, FEW_ROW_PANELS = PANELS, FOUR_ROW_PANELS = PANEL
 // alone, a cold MLP at 4-16 rows took 1.05-1.2x the time, in turns (benchmarks/README.md).
 constexpr int64_t AHEAD_BYTES = 96 * LANES * sizeof(float);
 // Prefetches panel p of a group of P, whose columns lie `stride` apart, `ahead` columns after column
-// c: past the panel's end, at the same place in the next group's panel p, which the thread reads
-// after this group (a thread's last group prefetches the next thread's first; a prefetch never
-// faults). Straight on, the address fell in the group's next panel, already being read, and the next
-// group started cold: a cold MLP at 2-16 rows took 1.09-1.3x the time. One row is left to the
-// hardware, which kept pace with it; its prefetches only cost instructions (benchmarks/README.md,
-// "Prefetches that wrap into the next group").
+// c. From 2 rows on, past the panel's end at the same place in the next group's panel p, which the
+// thread reads after this group (a thread's last group prefetches the next thread's first; a
+// prefetch never faults): straight on, the address fell in the group's next panel, already being
+// read, and each group began cold, so that a cold MLP at 4-16 rows took 1.1-1.3x the time. One row
+// prefetches straight on, as before: wrapped, its MLP took 1.09x the time with the weights in cache,
+// and with no prefetch a K=0 step at B=1 took 1.04-1.07x (benchmarks/README.md, "Prefetches that
+// wrap into the next group").
 template <int R, int P, typename W>
 inline void prefetch_ahead(const W* group, int64_t p, int64_t stride, int64_t c, int64_t ahead) {
-    if constexpr (R >= 2) {
-        const int64_t at = c + ahead;
-        __builtin_prefetch(group + (p * stride + at + (at < stride ? 0 : (P - 1) * stride)) * LANES, 0, 1);
-    }
+    const int64_t at = c + ahead;
+    const int64_t skip = R >= 2 && at >= stride ? (P - 1) * stride : 0;
+    __builtin_prefetch(group + (p * stride + at + skip) * LANES, 0, 1);
 }
 // Panels of at most this many bytes are multiplied on the calling thread alone: on the shipped model's
 // kv_a and q_b projections (40 and 48 KB of bfloat16 panels) opening a parallel region cost more than

@@ -10,6 +10,7 @@ is in every figure, so the figures compare kernels and depths with each other, n
 graph_times.py's wall times.
 
     python benchmarks/kernel_profile.py [--depth 3] [--batch 1] [--steps 200] [--top 40] [--cache-dir DIR]
+                                        [--bfloat16-mlps]
 """
 
 from __future__ import annotations
@@ -35,11 +36,15 @@ def main() -> None:
     parser.add_argument(
         "--cache-dir", type=Path, default=Path(tempfile.gettempdir()) / "compiled_mtp_kernel_profile"
     )
+    from compiled_mtp.ops import library
+
+    library.add_bfloat16_option(parser)
     args = parser.parse_args()
     if (
         os.environ.get(FLAG) != "1"
     ):  # Inductor reads the flag when it is imported, so set it for a fresh process
         sys.exit(subprocess.call([sys.executable, *sys.argv], env={**os.environ, FLAG: "1"}))
+    library.apply_bfloat16_option(args)
     profile(args.depth, args.batch, args.steps, args.top, args.cache_dir)
 
 

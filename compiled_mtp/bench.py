@@ -944,14 +944,18 @@ def goals(result: BenchResult) -> list[Goal]:
     return out
 
 
+def precision(m: Meta) -> str:
+    """The run's dtype, and the dense MLPs' products where they were bfloat16, for people."""
+    return f"{m.dtype} (dense MLPs multiply in bfloat16)" if m.bfloat16_mlps else m.dtype
+
+
 def print_report(r: BenchResult) -> None:
     """The tables and the goals, for people."""
     m, bound = r.meta, r.bound
     print(f"\ncompiled_mtp bench: {m.model}")
     drafts = f"; drafts among the {m.draft_vocab} most frequent tokens" if m.draft_vocab else ""
-    products = " (dense MLPs multiply in bfloat16)" if m.bfloat16_mlps else ""
     print(
-        f"device: {m.device} ({m.device_name}); {m.dtype}{products}; backend {m.backend}"
+        f"device: {m.device} ({m.device_name}); {precision(m)}; backend {m.backend}"
         f"; {m.new_tokens} new tokens, greedy; best of {m.runs}{drafts}"
     )
     print(f"prompts: {m.prompts}")
@@ -1071,7 +1075,7 @@ def plot(r: BenchResult, path: Path) -> None:
     ax.set_xlabel("MTP depth K (draft tokens per step)")
     ax.set_ylabel("tokens/s (greedy)")
     ax.set_title(
-        f"{Path(r.meta.model).name}: {r.meta.device_name}, {r.meta.dtype}, {r.meta.new_tokens} new tokens",
+        f"{Path(r.meta.model).name}: {r.meta.device_name}, {precision(r.meta)}, {r.meta.new_tokens} new tokens",
         fontsize=10,
     )
     ax.grid(True, which="both", alpha=0.3)

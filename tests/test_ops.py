@@ -116,7 +116,7 @@ def test_bfloat16_panels_give_the_float32_panels_products_bit_for_bit(rows, out_
     assert 2 * ops.panel_bytes(weight) * in_features == ops.panel_bytes(moved) * _padded(in_features) > 0
 
 
-@pytest.mark.parametrize("rows", [1, 4, 16])
+@pytest.mark.parametrize("rows", [1, 4, 16, 40])
 def test_dense_mlp_on_bfloat16_weights_gives_the_float32_products_bit_for_bit(rows):
     """The MLP's three weights from bfloat16 panels against float32 ones: each moved off the bfloat16
     values where it multiplies zero (a column x leaves at zero; down's column of an intermediate whose
@@ -215,22 +215,23 @@ def test_bfloat16_products_switch_on_only_where_the_machine_has_them():
 @needs_bfloat16_dot
 @settings(max_examples=40, deadline=None)
 @given(
-    rows=st.integers(1, 16), hidden=st.integers(1, 70), inter=st.integers(1, 90), seed=st.integers(0, 2**16)
+    rows=st.integers(1, 40), hidden=st.integers(1, 70), inter=st.integers(1, 90), seed=st.integers(0, 2**16)
 )
 def test_dense_mlp_in_bfloat16_gives_each_row_its_own_products(rows, hidden, inter, seed):
     """With bfloat16_products on, the MLP of bfloat16 weights rounds its rows and its activation to bfloat16 and
     adds the products in float32: each row's output is bit for bit the one it gets alone (a verify's
-    row, the depth-0 step's), and the model function's on the rounded rows within a bfloat16 step of
-    the activation. panel_linear still multiplies in float32. Odd widths take the padding's zeros."""
+    row, the depth-0 step's), also past 16 rows (a verify of B=8 at K=2, a prefill chunk), and the
+    model function's on the rounded rows within a bfloat16 step of the activation. panel_linear still
+    multiplies in float32. Odd widths take the padding's zeros."""
     gen = torch.Generator().manual_seed(seed)
     gate, up, down = _bfloat16_valued((inter, hidden), (inter, hidden), (hidden, inter), generator=gen)
     x = torch.randn(rows, hidden, generator=gen)
     with vector_products():
-        exact = ops.panel_linear(x, gate), ops.dense_mlp(x, gate, up, down)
+        exact = ops.panel_linear(x[:16], gate), ops.dense_mlp(x, gate, up, down)  # panel_linear: 1-16 rows
         with bfloat16_mlps():
             got = ops.dense_mlp(x, gate, up, down)
             alone = torch.cat([ops.dense_mlp(x[r : r + 1], gate, up, down) for r in range(rows)])
-            assert torch.equal(ops.panel_linear(x, gate), exact[0])
+            assert torch.equal(ops.panel_linear(x[:16], gate), exact[0])
     assert torch.equal(got, alone) and not torch.equal(got, exact[1])
     rounded = x.bfloat16().double()
     act = dense_mlp(rounded, gate.double(), up.double(), torch.eye(inter, dtype=torch.float64))

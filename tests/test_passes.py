@@ -525,6 +525,15 @@ def test_bfloat16_values_are_told_from_float32_ones(model, bfloat16_model):
     assert not bfloat16_values(moved)
 
 
+def test_dense_mlps_of_bfloat16_weights_go_to_the_op_past_16_rows(bfloat16_model, state):
+    """On weights of bfloat16 values the dense MLP of a 20-row verify becomes dense_mlp too, where on
+    float32 values it stays as traced: with bfloat16_products on, a row must get the op's rounded
+    products at every depth and batch, not oneDNN's float32 ones from 17 rows on."""
+    before, after = _graphs("target_verify", 5, 3, bfloat16_model, state, ("fuse_dense_mlp",))
+    assert _count(before, DENSE_MLP) == 0 and _count(after, DENSE_MLP) == 1
+    _assert_same(before, after, state, bfloat16_model, "target_verify", 5, 3, exact=False)
+
+
 @pytest.mark.parametrize("kind,b,k,mlps", [("target_verify", 1, 0, 1), ("draft_extend", 1, 3, 0)])
 def test_one_row_products_of_bfloat16_weights_go_to_the_ops(
     bfloat16_model, state, monkeypatch, kind, b, k, mlps

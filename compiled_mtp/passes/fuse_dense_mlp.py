@@ -4,10 +4,12 @@ Traced, a dense MLP (`models.layers.dense_mlp`) is three linears and the activat
 them: on 2-4 rows, three linears from narrow_linear (panel_linear calls on weights of 2^18+
 elements, Inductor's loops on smaller ones) and a kernel of Inductor's, each
 with its own start and its threads' barrier; on 5-16 rows (a batch of 4 verifying drafts), three
-packed oneDNN linears. The op does the MLP in one call (the routed-experts
-kernel with one expert every row takes at weight 1), reading gate and up together for all the rows,
-then down. The gains and the row range are measured in benchmarks/README.md. On weights of
-bfloat16 values (passes/weights.py) the op reads bfloat16 panels, half the bytes, and takes 1 row too.
+packed oneDNN linears. The op does the MLP in one call from panels of its weights
+(ops/csrc/routed_experts.cpp), reading gate and up together for all the rows, then down. The gains
+and the row range are measured in benchmarks/README.md. On weights of bfloat16 values
+(passes/weights.py) the op reads bfloat16 panels, half the bytes, and takes every row count from 1
+on, 16 rows at a time: a row then gets the same products whichever rows share its call, also where
+bfloat16_products rounds them (docs/passes.md).
 
 The MLP is found by provenance (region.py): one connected region per call, with the function's four
 inputs and one output; gate and up have the same shape, so the region and the op run on seeded probe
@@ -25,10 +27,13 @@ from torch import fx
 
 from ..models.layers import dense_mlp
 from .region import Region, RegionPass, Unfusable, one_agreeing
-from .weights import fewest_rows
+from .weights import BFLOAT16_VALUES, fewest_rows
 
 MIN_ROWS, MAX_ROWS = 2, 16
-# On weights of bfloat16 values the op reads half the bytes, which pays for its call at 1 row too.
+# On weights of bfloat16 values the op reads half the bytes, which pays for its call at 1 row too,
+# and it takes every row count: rounded to bfloat16 (bfloat16_products), a row's products must be
+# the op's at every depth and batch, where oneDNN's float32 ones from 17 rows on (a verify of B=8
+# at K >= 2) would give other tokens than a depth-0 step's.
 BFLOAT16_MIN_ROWS = 1
 
 
@@ -53,8 +58,9 @@ class FuseDenseMLP(RegionPass):
         out = outputs[0].meta["val"]
         rows = math.prod(out.shape[:-1])
         least = fewest_rows(MIN_ROWS, BFLOAT16_MIN_ROWS)
-        if not least <= rows <= MAX_ROWS:
-            raise Unfusable(f"{rows} row(s), outside [{least}, {MAX_ROWS}]", expected=True)
+        most = math.inf if BFLOAT16_VALUES.get() else MAX_ROWS
+        if not least <= rows <= most:
+            raise Unfusable(f"{rows} row(s), outside [{least}, {most}]", expected=True)
         candidates = [
             list(args) for args in itertools.permutations(inputs) if _fits(*(n.meta["val"] for n in args))
         ]

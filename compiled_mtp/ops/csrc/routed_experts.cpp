@@ -215,9 +215,11 @@ static void panel_mlp(const float* x, const at::Tensor& gate, const at::Tensor& 
 
 // compiled_mtp::dense_mlp: a dense SwiGLU MLP (models.deepseek_v3.dense_mlp) as one expert that every
 // row takes with weight 1: x [..., H], gate / up [I, H], down [H, I] -> [..., H]. One call reads each
-// weight once for all the rows, where three linears and the activation between them were four. On up
-// to PANEL_MAX_ROWS rows it reads copies of the weights in panels (panels.h), on more (a prefill
-// chunk) the weights themselves through `kernel`.
+// weight once for up to PANEL_MAX_ROWS rows, where three linears and the activation between them
+// were four, from copies of the weights in panels (panels.h). More rows (a prefill chunk, a verify of
+// B(K + 1) > 16 rows) go through the panels PANEL_MAX_ROWS at a time, so that a row's outputs never
+// depend on how many rows share its call: rounded to bfloat16 (bfloat16_products) they would differ
+// from any other kernel's float32 products, and a verify's tokens from a depth-0 step's.
 at::Tensor dense_mlp(const at::Tensor& x_in, const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down) {
     const char* op = "dense_mlp";
     TORCH_CHECK(x_in.dim() >= 1, op, ": x must have a dimension of features");
@@ -230,14 +232,10 @@ at::Tensor dense_mlp(const at::Tensor& x_in, const at::Tensor& gate, const at::T
     TORCH_CHECK(down.sizes() == at::IntArrayRef({h, inter}), op, ": down must be ", at::IntArrayRef({h, inter}), ", got ", down.sizes());
     const at::Tensor x = x_in.contiguous();
     at::Tensor out = at::empty(x.sizes(), x.options());
-    if (n >= 1 && n <= PANEL_MAX_ROWS) {
-        panel_mlp(x.data_ptr<float>(), gate, up, down, out.data_ptr<float>(), n, h, inter);
-        return out;
+    for (int64_t r0 = 0; r0 < n; r0 += PANEL_MAX_ROWS) {
+        const int64_t rows = std::min(PANEL_MAX_ROWS, n - r0);
+        panel_mlp(x.data_ptr<float>() + r0 * h, gate, up, down, out.data_ptr<float>() + r0 * h, rows, h, inter);
     }
-    const std::vector<int64_t> ids(n, 0);
-    const std::vector<float> ones(n, 1.f);
-    kernel(x.data_ptr<float>(), ids.data(), ones.data(), gate.data_ptr<float>(), up.data_ptr<float>(), down.data_ptr<float>(),
-           out.data_ptr<float>(), n, 1, 1, h, inter, at::get_num_threads());
     return out;
 }
 

@@ -11,7 +11,7 @@ generations' times. With `--switch HELD PROBE`, auto's runtime then runs a fixed
 and its step times are summed up by their place after a change of depth.
 
     python benchmarks/auto_trace.py [--batch 4] [--rounds 3] [--timed-prompts 8] [--cache-dir DIR] [--switch 3 1]
-        [--depths 0 1 2 3]
+        [--depths 0 1 2 3] [--bfloat16-mlps]
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from compiled_mtp.bench import _runtimes, add_arguments, bench_prompts, timed_ba
 from compiled_mtp.depth_policy import DepthPolicy
 from compiled_mtp.models.checkpoint import load_model
 from compiled_mtp.models.draft_vocab import read_ranking
+from compiled_mtp.ops import library
 from compiled_mtp.runtime import DTYPES, Runtime, SamplingParams
 
 
@@ -175,7 +176,9 @@ def main() -> None:
         metavar=("HELD", "PROBE"),
         help="then time steps after a change of depth: 14 at HELD, 2 at PROBE, repeated",
     )
+    library.add_bfloat16_option(parser)
     args = parser.parse_args()
+    library.apply_bfloat16_option(args)
     systems = BenchSystems(args.batch, args.timed_prompts, args.cache_dir, args.depths)
     runtimes, groups, params = systems.runtimes(), systems.groups, systems.params
     lines: list[str] = []

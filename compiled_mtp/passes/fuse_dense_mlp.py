@@ -27,14 +27,14 @@ from torch import fx
 
 from ..models.layers import dense_mlp
 from .region import Region, RegionPass, Unfusable, one_agreeing
-from .weights import BFLOAT16_VALUES, fewest_rows
+from .weights import rows_for_values
 
 MIN_ROWS, MAX_ROWS = 2, 16
 # On weights of bfloat16 values the op reads half the bytes, which pays for its call at 1 row too,
 # and it takes every row count: rounded to bfloat16 (bfloat16_products), a row's products must be
 # the op's at every depth and batch, where oneDNN's float32 ones from 17 rows on (a verify of B=8
 # at K >= 2) would give other tokens than a depth-0 step's.
-BFLOAT16_MIN_ROWS = 1
+BFLOAT16_MIN_ROWS, BFLOAT16_MAX_ROWS = 1, math.inf
 
 
 class FuseDenseMLP(RegionPass):
@@ -42,7 +42,7 @@ class FuseDenseMLP(RegionPass):
     op_name = "dense_mlp"
     native = True
     arity = (4, 1)
-    settings = (MIN_ROWS, BFLOAT16_MIN_ROWS, MAX_ROWS)
+    settings = (MIN_ROWS, BFLOAT16_MIN_ROWS, MAX_ROWS, BFLOAT16_MAX_ROWS)
 
     def _check(self, inputs: list[fx.Node], outputs: list[fx.Node]) -> None:
         if (
@@ -57,8 +57,8 @@ class FuseDenseMLP(RegionPass):
         """(x, gate, up, down) -> out; gate and up told apart on probes."""
         out = outputs[0].meta["val"]
         rows = math.prod(out.shape[:-1])
-        least = fewest_rows(MIN_ROWS, BFLOAT16_MIN_ROWS)
-        most = math.inf if BFLOAT16_VALUES.get() else MAX_ROWS
+        least = rows_for_values(MIN_ROWS, BFLOAT16_MIN_ROWS)
+        most = rows_for_values(MAX_ROWS, BFLOAT16_MAX_ROWS)
         if not least <= rows <= most:
             raise Unfusable(f"{rows} row(s), outside [{least}, {most}]", expected=True)
         candidates = [

@@ -29,7 +29,7 @@ from torch import Tensor, fx
 
 from ..models.layers import gathered_experts
 from .region import Region, RegionPass, Unfusable, by_signature, one_agreeing
-from .weights import fewest_rows
+from .weights import rows_for_values
 
 MIN_ROWS = 2
 BFLOAT16_MIN_ROWS = 1  # on weights of bfloat16 values
@@ -47,7 +47,7 @@ class GroupExperts(RegionPass):
     ) -> tuple[list, list[fx.Node]]:
         """(x, idx, weights, gate, up, down) -> out; gate and up told apart on probes."""
         out = outputs[0].meta["val"]
-        least = fewest_rows(MIN_ROWS, BFLOAT16_MIN_ROWS)
+        least = rows_for_values(MIN_ROWS, BFLOAT16_MIN_ROWS)
         if out.dim() == 2 and out.shape[0] < least:
             raise Unfusable(f"{out.shape[0]} row(s), fewer than MIN_ROWS ({least})", expected=True)
         two_d, (idx,), three_d = by_signature(

@@ -47,7 +47,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 from ..ops import library
 from .fx_nodes import LinearNode, call, linears, on_cpu_float32, replace
-from .weights import BFLOAT16_VALUES, fewest_rows
+from .weights import BFLOAT16_VALUES, rows_for_values
 
 aten = torch.ops.aten
 NARROW_ROWS = 4  # the most rows this pass takes; panel_linear takes 5-16
@@ -91,7 +91,7 @@ def narrow_bmm(rows: int, weight: int) -> bool:
 
 def _narrow(graph: fx.Graph, lin: LinearNode, kernel: bool) -> fx.Node:
     halves = BFLOAT16_VALUES.get()
-    least = fewest_rows(KERNEL_ROWS, BFLOAT16_KERNEL_ROWS)
+    least = rows_for_values(KERNEL_ROWS, BFLOAT16_KERNEL_ROWS)
     smallest = KERNEL_WEIGHT
     if halves and lin.rows > 1:
         smallest = min(smallest, BFLOAT16_FEW_ROW_KERNEL_WEIGHT)

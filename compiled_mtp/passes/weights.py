@@ -17,9 +17,9 @@ BFLOAT16_VALUES: ContextVar[bool] = ContextVar("bfloat16_values", default=False)
 CHUNK = 1 << 22  # elements tested at once, so that a large LM head needs no copy of its own size
 
 
-def fewest_rows(float32: int, bfloat16: int) -> int:
-    """The fewest rows a pass sends to a C++ op while it runs: `bfloat16` where the model's weights hold
-    bfloat16 values (the op then reads half the bytes, which pays for its call on fewer rows), else
+def rows_for_values(float32: float, bfloat16: float) -> float:
+    """A bound on the rows a pass sends to a C++ op while it runs: `bfloat16` where the model's weights
+    hold bfloat16 values (the op then reads half the bytes, which pays for its call on fewer rows), else
     `float32`."""
     return bfloat16 if BFLOAT16_VALUES.get() else float32
 

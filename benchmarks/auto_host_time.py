@@ -56,7 +56,8 @@ def main() -> None:
         warm_up(rt, groups, params)
         rt.reset_stats()
         calls[k] = Counter()
-        timed_calls(rt._policy, calls[k])
+        if rt.mtp_depth == "auto":  # a fixed depth's steps leave the policy alone
+            timed_calls(rt._policy, calls[k])
     for _, group, k in turns(list(runtimes), groups, args.rounds):
         timed_generate(runtimes[k], group, params)
     print(f"B={args.batch}, {args.rounds} rounds in turns: us per decode step")

@@ -83,10 +83,16 @@ def warm_up(rt: Runtime, groups: list[list[list[int]]], params: SamplingParams) 
         rt.generate(group, params)
 
 
-def conditional_rates(policy: DepthPolicy) -> list[str]:
-    """Accepted over proposed at each position, pooled over the depths the runtime ran."""
-    proposed, accepted = policy.counts()
-    return [f"{a / p:.3f}" if p else "-" for p, a in zip(proposed, accepted)]
+def conditional_rates(rt: Runtime) -> list[str]:
+    """Accepted over tested at each position, pooled over the depths the runtime ran: auto's policy
+    counts them; at a fixed depth a draft is tested where every draft before it was accepted."""
+    if rt.mtp_depth == "auto":
+        tested, accepted = rt._policy.counts()
+    else:
+        stats = rt.stats()
+        accepted = stats["accepted_tokens_per_position"]
+        tested = stats["draft_tokens_per_position"][:1] + accepted[:-1]
+    return [f"{a / t:.3f}" if t else "-" for t, a in zip(tested, accepted)]
 
 
 def traced(policy: DepthPolicy, bucket: int, lines: list[str]) -> None:
@@ -198,7 +204,7 @@ def main() -> None:
     print("\n".join(lines))
     print("\nconditional acceptance per position, from each runtime's own steps:")
     for k, rt in runtimes.items():
-        print(f"  K={k}: {' '.join(conditional_rates(rt._policy))}")
+        print(f"  K={k}: {' '.join(conditional_rates(rt))}")
     print("\ngeneration ms (warm-up excluded):")
     for k, times in seconds.items():
         print(f"  K={k}: " + " ".join(f"{1e3 * t:.1f}" for t in times) + f"  best {1e3 * min(times):.1f}")

@@ -104,16 +104,17 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
+import operator
 from collections import Counter, defaultdict, deque
 from collections.abc import Sequence
 from functools import partial
 
 Key = tuple[int, int]  # (bucket, depth)
-# A choice's inputs besides the rates, the requests' rates, the drafts tested by then, the tokens wanted
-# that no cap reaches, the last step it holds to, and the last it holds to while the rates move.
-Hold = tuple[object, list[tuple[float, ...]], int, float, float, float]
-NO_HOLD: Hold = (None, [], -1, math.inf, -math.inf, -math.inf)
+# A choice's inputs besides the rates, the requests' rates, the drafts tested by then, the tokens each
+# request must still want for no cap to bind it, the last step it holds to, and the last it holds to
+# while the rates move.
+Hold = tuple[object, list[tuple[float, ...]], int, tuple[float, ...], float, float]
+NO_HOLD: Hold = (None, [], -1, (math.inf,), -math.inf, -math.inf)
 UNTIMED_CALLS = 2  # a key's first calls, never counted in its cost
 PSEUDO_STEPS = 16  # the pooled history's weight, in steps, in a depth's own acceptance rates
 CALIBRATE_AFTER = 64  # calibration() is worked out again after a 64th more drafts were tested
@@ -235,14 +236,20 @@ class DepthPolicy:
     def observe(self, rates: list[float], depth: int, accepted: int) -> None:
         """One request's step at `depth` with `accepted` drafts accepted: update its rates in place and
         the history. Positions past the first rejection were not tested and stay as they were."""
-        for j in range(min(accepted + 1, depth)):
+        tested = min(accepted + 1, depth)
+        if tested <= 0:  # a depth-0 step tests nothing
+            return
+        # Names bound once: the Python between a step's graphs runs on caches the graphs emptied.
+        proposed, hits, alpha = self._proposed[depth], self._accepted[depth], self.request_alpha
+        pooled, pooled_hits = self._pooled
+        self._observed += tested
+        for j in range(tested):
             hit = j < accepted
-            self._observed += 1
-            self._proposed[depth][j] += 1
-            self._accepted[depth][j] += hit
-            self._pooled[0][j] += 1
-            self._pooled[1][j] += hit
-            rates[j] += self.request_alpha * (hit - rates[j])
+            proposed[j] += 1
+            hits[j] += hit
+            pooled[j] += 1
+            pooled_hits[j] += hit
+            rates[j] += alpha * (hit - rates[j])
 
     def record_cost(self, bucket: int, depth: int, seconds: float) -> None:
         """A step's wall time. Only a step at the depth of the bucket's step before it counts: the
@@ -275,18 +282,31 @@ class DepthPolicy:
         """The median of the last `cost_window` samples, `sample` the newest: one step timed in a
         slow or fast moment moves it only within the others."""
         samples.append(sample)  # the oldest drops out at maxlen
-        return statistics.median(samples)
+        ordered, middle = sorted(samples), len(samples) // 2
+        return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
     def expected(self, rates: Sequence[Sequence[float]], remaining: Sequence[int]) -> dict[int, float]:
         """Tokens a batch is expected to commit in one step at each depth: its requests' rates,
         calibrated for the depth, each request's count capped at the tokens it still wants."""
-        scale = self.calibration()
-        tokens = dict.fromkeys(self.depths, 0.0)
+        return self._expected_and_caps(rates, remaining)[0]
+
+    def _expected_and_caps(
+        self, rates: Sequence[Sequence[float]], remaining: Sequence[int]
+    ) -> tuple[dict[int, float], tuple[float, ...]]:
+        """expected(), and each request's most expected tokens at any depth: while it still wants at
+        least that many, no cap binds it."""
+        scale, depths = self.calibration(), self.depths
+        tokens = dict.fromkeys(depths, 0.0)
+        caps = []
         for r, n in zip(rates, remaining):
-            e = _expected_by_depth(r, self.depths[-1])
-            for k in self.depths:
-                tokens[k] += min(e[k] * scale[k], n)
-        return tokens
+            e = _expected_by_depth(r, depths[-1])
+            most = 0.0
+            for k in depths:
+                t = e[k] * scale[k]
+                most = t if t > most else most
+                tokens[k] += t if t < n else n
+            caps.append(most)
+        return tokens, tuple(caps)
 
     def choose(self, bucket: int, rates: Sequence[Sequence[float]], remaining: Sequence[int]) -> int:
         """The depth for the next step of a batch in `bucket`: its requests' rates and wanted tokens."""
@@ -306,18 +326,18 @@ class DepthPolicy:
         # The requests' own rate lists (observe updates them in place): a request that left or joined
         # ends a hold, however alike the rates.
         inputs = (bucket, self._changes, tuple(map(id, rates)))
-        held, held_rates, observed, uncapped, until, settled = self._hold
+        held, held_rates, observed, caps, until, settled = self._hold
         step = self._steps[bucket] + 1
         # The rates are compared last: at K > 0 every step tests drafts, so they differ already.
         if (
             inputs == held
             and step <= until
-            and min(remaining) >= uncapped
+            and all(map(operator.ge, remaining, caps))
             and (step <= settled or (self._observed == observed and [tuple(r) for r in rates] == held_rates))
         ):
             self._steps[bucket] = step
             return self.current
-        value = self.values(bucket, rates, remaining)
+        value, caps = self._valued(bucket, rates, remaining)
         best = max(value, key=value.__getitem__)
         if value[best] > value[self.current] * (1 + self._margin(best)):
             self.current = best
@@ -329,15 +349,11 @@ class DepthPolicy:
             k: self._due_after(bucket, k, value, remaining, near) for k in self.depths if k != self.current
         }
         probes = [k for k, after in due.items() if self._steps[bucket] > after]
-        # A request that wants this many tokens or more counts its expected tokens uncapped.
-        uncapped = (self.depths[-1] + 1) * max(self.calibration().values())
         until = min(due.values(), default=math.inf)
-        holds = not probes and min(remaining) >= uncapped
+        holds = not probes and all(map(operator.ge, remaining, caps))
         settled = self._steps[bucket] + self.recheck_every - 1
         self._hold = (
-            (inputs, [tuple(r) for r in rates], self._observed, uncapped, until, settled)
-            if holds
-            else NO_HOLD
+            (inputs, [tuple(r) for r in rates], self._observed, caps, until, settled) if holds else NO_HOLD
         )
         probe = max(probes, key=value.__getitem__, default=self.current)
         if probe != self.current:
@@ -358,8 +374,14 @@ class DepthPolicy:
     ) -> dict[int, float]:
         """Each depth's expected tokens a second for a batch in `bucket` (every key timed): its
         expected tokens a step over the key's cost."""
-        tokens = self.expected(rates, remaining)
-        return {k: tokens[k] / self._cost[bucket, k] for k in self.depths}
+        return self._valued(bucket, rates, remaining)[0]
+
+    def _valued(
+        self, bucket: int, rates: Sequence[Sequence[float]], remaining: Sequence[int]
+    ) -> tuple[dict[int, float], tuple[float, ...]]:
+        """values(), and each request's tokens wanted from which no cap binds it (_expected_and_caps)."""
+        tokens, caps = self._expected_and_caps(rates, remaining)
+        return {k: tokens[k] / self._cost[bucket, k] for k in self.depths}, caps
 
     def _margin(self, k: int) -> float:
         """How much better depth k's value must be than the current depth's to replace it."""

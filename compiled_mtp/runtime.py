@@ -444,7 +444,8 @@ class Runtime:
         if plan.catch_up and any(r.lag for r in reqs):
             began = time.perf_counter()
             self._catch_up(plan.catch_up, reqs, slots, lens)
-            self._policy.record_catch_up(bucket, time.perf_counter() - began)
+            if self._depth == "auto":
+                self._policy.record_catch_up(bucket, time.perf_counter() - began)
         elif plan.fill and any(r.lag >= window for r in reqs):
             self._catch_up(plan.fill, reqs, slots, lens)
         start = time.perf_counter()
@@ -464,7 +465,8 @@ class Runtime:
         outputs = [
             self._commit(r, committed_l[i][: accepted_l[i] + 1], k, accepted_l[i]) for i, r in enumerate(reqs)
         ]
-        self._policy.record_cost(bucket, k, time.perf_counter() - start)
+        if self._depth == "auto":  # a fixed depth's steps pay for no policy's bookkeeping
+            self._policy.record_cost(bucket, k, time.perf_counter() - start)
         return outputs
 
     def _catch_up(self, key: GraphKey, reqs: list[_Request], slots: torch.Tensor, lens: torch.Tensor) -> None:
@@ -506,7 +508,8 @@ class Runtime:
             if depth:
                 out.accepted_per_step.append(accepted)
             self._stats.record(depth, len(emitted), counted)
-            self._policy.observe(req.rates, depth, accepted)
+            if self._depth == "auto":
+                self._policy.observe(req.rates, depth, accepted)
         if reason is not None:
             self._finish(req, reason)
         return StepOutput(out.request_id, emitted, reason is not None, reason, out if reason else None)

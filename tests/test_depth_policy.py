@@ -523,8 +523,8 @@ def _served_lone(recheck_every: int) -> tuple[list[int], list[int]]:
     _measured(policy, 1, costs)
     chosen: list[int] = []
     worked: list[int] = []
-    values = policy.values
-    policy.values = lambda *args: worked.append(len(chosen)) or values(*args)  # type: ignore[method-assign]
+    valued = policy._valued
+    policy._valued = lambda *args: worked.append(len(chosen)) or valued(*args)  # type: ignore[method-assign]
     rates = [0.9, 0.8, 0.7]
     for step in range(60):
         k = policy.choose(1, [rates], [100])

@@ -487,18 +487,19 @@ DENSE_MLP = torch.ops.compiled_mtp.dense_mlp.default
 @pytest.mark.parametrize(
     "kind,b,k,calls",
     [
-        ("target_verify", 1, 3, 1),
-        ("target_verify", 2, 1, 1),
-        ("target_verify", 4, 3, 1),
-        ("prefill", 1, 0, 1),
+        ("target_verify", 1, 3, 2),
+        ("target_verify", 2, 1, 2),
+        ("target_verify", 4, 3, 2),
+        ("prefill", 1, 0, 2),
         ("draft_extend", 1, 2, 0),
         ("target_verify", 1, 0, 0),
         ("target_verify", 5, 3, 0),
     ],
 )
 def test_fuse_dense_mlp_takes_each_dense_mlp_on_2_to_16_rows(model, state, kind, b, k, calls):
-    """The tiny target's one dense layer becomes one op when its verify or prefill chunk has 2-16 rows;
-    M's layer is MoE, one row or 20 stay as traced. The same outputs and state as without it."""
+    """The tiny target's dense MLPs (layer 0's, and the shared expert of its MoE layer 1) become one op
+    each when its verify or prefill chunk has 2-16 rows; M's layer runs its MLP on one row, and one row
+    or 20 stay as traced. The same outputs and state as without it."""
     before, after = _graphs(kind, b, k, model, state, ("fuse_dense_mlp",))
     assert _count(before, DENSE_MLP) == 0 and _count(after, DENSE_MLP) == calls
     assert _count(before, aten.mm.default) - _count(after, aten.mm.default) == 3 * calls
@@ -530,11 +531,12 @@ def test_dense_mlps_of_bfloat16_weights_go_to_the_op_past_16_rows(bfloat16_model
     float32 values it stays as traced: with bfloat16_products on, a row must get the op's rounded
     products at every depth and batch, not oneDNN's float32 ones from 17 rows on."""
     before, after = _graphs("target_verify", 5, 3, bfloat16_model, state, ("fuse_dense_mlp",))
-    assert _count(before, DENSE_MLP) == 0 and _count(after, DENSE_MLP) == 1
+    assert _count(before, DENSE_MLP) == 0 and _count(after, DENSE_MLP) == 2  # layer 0's, the shared expert
     _assert_same(before, after, state, bfloat16_model, "target_verify", 5, 3, exact=False)
 
 
-@pytest.mark.parametrize("kind,b,k,mlps", [("target_verify", 1, 0, 1), ("draft_extend", 1, 3, 0)])
+# The target's two dense MLPs (layer 0's, layer 1's shared expert); M's shared expert at each of its 3 rows.
+@pytest.mark.parametrize("kind,b,k,mlps", [("target_verify", 1, 0, 2), ("draft_extend", 1, 3, 3)])
 def test_one_row_products_of_bfloat16_weights_go_to_the_ops(
     bfloat16_model, state, monkeypatch, kind, b, k, mlps
 ):

@@ -219,10 +219,12 @@ class MoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         idx, weights = self.gate(flat)
-        out = self.experts(flat, idx, weights.to(x.dtype))
+        out = self.experts(flat, idx, weights.to(x.dtype)).view(shape)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(flat)
-        return out.view(shape)
+            # On x's own shape: on the flat rows, Inductor joins the last product to this sum (addmm),
+            # and fuse_dense_mlp no longer finds the whole MLP.
+            out = out + self.shared_experts(x)
+        return out
 
 
 class Attention(nn.Module):

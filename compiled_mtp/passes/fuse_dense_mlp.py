@@ -44,13 +44,6 @@ class FuseDenseMLP(RegionPass):
     arity = (4, 1)
     settings = (MIN_ROWS, BFLOAT16_MIN_ROWS, MAX_ROWS, BFLOAT16_MAX_ROWS)
 
-    def _check(self, inputs: list[fx.Node], outputs: list[fx.Node]) -> None:
-        if (
-            len(inputs) < self.arity[0]
-        ):  # a MoE layer's shared experts: Inductor joins their down product to the routed sum
-            raise Unfusable("part of an MLP whose last product joined what follows it", expected=True)
-        super()._check(inputs, outputs)
-
     def roles(
         self, region: set[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]
     ) -> tuple[list, list[fx.Node]]:

@@ -7,6 +7,7 @@ step (stats()["host_seconds"]: the step's wall time less its graphs') and, withi
 of the policy's calls (`choose`, `observe`, `record_cost`), each per step.
 
     python benchmarks/auto_host_time.py [REV...] [--batch 1] [--depth 3] [--rounds 4] [--cache-dir DIR]
+                                        [--bfloat16-mlps]
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from auto_trace import BenchSystems, warm_up
 
 from compiled_mtp.bench import timed_generate, turns
 from compiled_mtp.depth_policy import DepthPolicy
+from compiled_mtp.ops import library
 
 CALLS = ("choose", "observe", "record_cost")
 
@@ -46,7 +48,9 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=3, help="the fixed depth compared (default: 3)")
     parser.add_argument("--rounds", type=int, default=4, help="timed rounds in turns (default: 4)")
     parser.add_argument("--cache-dir", default=None, help="capture cache (default: the user's)")
+    library.add_bfloat16_option(parser)
     args = parser.parse_args()
+    library.apply_bfloat16_option(args)
     systems = BenchSystems(args.batch, 8, args.cache_dir)
     runtimes = {k: rt for k, rt in systems.runtimes().items() if k in (args.depth, "auto")}
     runtimes.update(autos_at(systems, args.revs))

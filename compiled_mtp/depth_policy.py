@@ -105,6 +105,7 @@ from __future__ import annotations
 import argparse
 import math
 import operator
+import statistics
 from collections import Counter, defaultdict, deque
 from collections.abc import Sequence
 from functools import partial
@@ -236,20 +237,14 @@ class DepthPolicy:
     def observe(self, rates: list[float], depth: int, accepted: int) -> None:
         """One request's step at `depth` with `accepted` drafts accepted: update its rates in place and
         the history. Positions past the first rejection were not tested and stay as they were."""
-        tested = min(accepted + 1, depth)
-        if tested <= 0:  # a depth-0 step tests nothing
-            return
-        # Names bound once: the Python between a step's graphs runs on caches the graphs emptied.
-        proposed, hits, alpha = self._proposed[depth], self._accepted[depth], self.request_alpha
-        pooled, pooled_hits = self._pooled
-        self._observed += tested
-        for j in range(tested):
+        for j in range(min(accepted + 1, depth)):
             hit = j < accepted
-            proposed[j] += 1
-            hits[j] += hit
-            pooled[j] += 1
-            pooled_hits[j] += hit
-            rates[j] += alpha * (hit - rates[j])
+            self._observed += 1
+            self._proposed[depth][j] += 1
+            self._accepted[depth][j] += hit
+            self._pooled[0][j] += 1
+            self._pooled[1][j] += hit
+            rates[j] += self.request_alpha * (hit - rates[j])
 
     def record_cost(self, bucket: int, depth: int, seconds: float) -> None:
         """A step's wall time. Only a step at the depth of the bucket's step before it counts: the
@@ -282,8 +277,7 @@ class DepthPolicy:
         """The median of the last `cost_window` samples, `sample` the newest: one step timed in a
         slow or fast moment moves it only within the others."""
         samples.append(sample)  # the oldest drops out at maxlen
-        ordered, middle = sorted(samples), len(samples) // 2
-        return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+        return statistics.median(samples)
 
     def expected(self, rates: Sequence[Sequence[float]], remaining: Sequence[int]) -> dict[int, float]:
         """Tokens a batch is expected to commit in one step at each depth: its requests' rates,

@@ -30,16 +30,18 @@ What it measures (greedy decoding throughout, the same prompts for every system)
   float32 bytes, at every step): the target's parameters, counting one embedding row and of a MoE
   layer's routed experts only those the step's rows are routed to, plus per draft step the MTP
   layer's, the shared LM head and one embedding row. A K-step at B runs B (K + 1) rows through the
-  target's verify and the draft extend's MTP layer and B through each later draft step; rows routed
-  apart read the union of their experts, which an eager pass over the prompts measures
-  (expert_reads.py). Over the measured bandwidth the bytes give the most steps per second; times B
+  target's verify and B through each of its draft steps, the draft extend among them: the extend runs
+  all B (K + 1) rows only through the parts of MTP layer 0 that write its cache entries (where the
+  family's layer splits there, `CausalLM.mtp_every_row_modules`; DeepSeek-V4's block runs every row
+  through everything). Rows routed apart read the union of their experts, which an eager pass over
+  the prompts measures (expert_reads.py). Over the measured bandwidth the bytes give the most steps per second; times B
   and the row's acceptance length they bound tokens/s. The bandwidth is the faster of a large copy's
   (memory's, as STREAM's Copy counts it) and a warm read of as many bytes as a K=1 step of one row
   reads: a decode reads the same weights at every step, so where they fit the last-level cache they
   stay there, and the cache's speed bounds a step;
 - the roofline: the same bytes, and the multiply-adds of those weights (2 per element of every
-  matrix, per row: B (K + 1) rows of the target's verify and the draft extend, B of each later draft
-  step; attention over the cache not counted) at the rate a large torch.mm reaches on the same
+  matrix, per row: B (K + 1) rows of the target's verify and of the extend's cache-entry parts, B of
+  the rest of each draft step; attention over the cache not counted) at the rate a large torch.mm reaches on the same
   threads, or, for products of as many rows as run on AMX's tiles (a CPU that has them, bfloat16
   weights), at the rate the C++ ops' tile products reach on a weight in cache. A step takes at least
   the longer of the two, so the roofline's speedup over K=0 is at most the bandwidth bound's, and below
@@ -215,6 +217,7 @@ class Bound:
     flops_per_s: float = 0.0  # the best of 5 large torch.mm products, float operations over seconds
     target_flops: int = 0  # of one target forward's weights, per row
     mtp_step_flops: list[int] = field(default_factory=list)  # of one draft step's, per row and MTP layer
+    extend_row_flops: int = 0  # of MTP layer 0's parts a draft extend runs on every row of its block, per row
     roofline_steps_per_s: dict[str, float] = field(default_factory=dict)  # by "K/B": bytes or arithmetic
     # Rows from which the ops' products of bfloat16 weights run faster than float32's (on AMX's tiles,
     # or from 1 row on the bfloat16 dot products, --bfloat16-mlps); 0: none do.
@@ -590,10 +593,13 @@ def step_sizes(model: CausalLM, size: Callable[[torch.Tensor], int], row: int) -
     return target, [row + _layer_size(layer, k, size) + draft_head for layer in mtp_layers]
 
 
-def routed_bytes(routing: Routing, depths: list[int], batch_sizes: list[int]) -> dict[str, int]:
+def routed_bytes(
+    routing: Routing, depths: list[int], batch_sizes: list[int], extend_every_row: bool = False
+) -> dict[str, int]:
     """By "K/B": the bytes of routed experts a K-step at B reads beyond one row's (as the engine's
-    kernels read them): every target MoE layer's union over the verify's B (K + 1) rows, MTP layer 0's
-    over the draft extend's, and B rows' at each later draft step (expert_reads.py)."""
+    kernels read them): every target MoE layer's union over the verify's B (K + 1) rows, and B rows'
+    at each draft step, the draft extend's too, unless its MTP layer runs its experts on every row of
+    the extend's block (`extend_every_row`): then B (K + 1) rows' (expert_reads.py)."""
 
     def beyond_one_row(reader: Reader | None, batch: int, rows: int) -> float:
         if reader is None:
@@ -606,7 +612,7 @@ def routed_bytes(routing: Routing, depths: list[int], batch_sizes: list[int]) ->
         for b in batch_sizes:
             extra = sum(beyond_one_row(r, b, k + 1) for r in routing.target)
             if k:
-                extra += beyond_one_row(routing.drafts[0], b, k + 1)
+                extra += beyond_one_row(routing.drafts[0], b, k + 1 if extend_every_row else 1)
                 extra += sum(beyond_one_row(routing.drafts[j], b, 1) for j in range(1, k))
             out[f"{k}/{b}"] = round(extra)
     return out
@@ -638,12 +644,21 @@ def _matrix_flops(weight: torch.Tensor) -> int:
     return 2 * weight.numel() if weight.dim() >= 2 else 0  # a vector (a norm's) only scales
 
 
-def weight_flops(model: CausalLM) -> tuple[int, list[int], int]:
+def weight_flops(model: CausalLM) -> tuple[int, list[int], int, int]:
     """(float operations of one target forward's weights, of one draft step's per MTP layer, of the
-    draft step's head), per row: a multiply and an add per matrix element. The embedding row is read,
-    not multiplied."""
+    draft step's head, of MTP layer 0's parts that a draft extend runs on every row of its block), per
+    row: a multiply and an add per matrix element. The embedding row is read, not multiplied."""
     head = model.lm_head if model.draft_head is None else model.draft_head
-    return *step_sizes(model, _matrix_flops, 0), _matrix_flops(head.weight)
+    k = model.cfg.num_experts_per_tok or 0
+    every_row = model.mtp_every_row_modules(0) if model.num_mtp_layers else []
+    extend_row = sum(_layer_size(m, k, _matrix_flops) for m in every_row)
+    return *step_sizes(model, _matrix_flops, 0), _matrix_flops(head.weight), extend_row
+
+
+def extend_experts_every_row(model: CausalLM) -> bool:
+    """Whether a draft extend runs MTP layer 0's routed experts on every row of its block."""
+    every_row = model.mtp_every_row_modules(0) if model.num_mtp_layers else []
+    return any(is_stacked_experts(m) for part in every_row for m in part.modules())
 
 
 def copy_bandwidth(device: str, megabytes: int, runs: int = 5) -> float:
@@ -728,17 +743,19 @@ def tile_rate(device: str, dtype: torch.dtype, runs: int = 5) -> tuple[int, floa
 
 def add_roofline(
     bound: Bound,
-    flops: tuple[int, list[int], int],
+    flops: tuple[int, list[int], int, int],
     rate: float,
     tiles: tuple[int, float],
 ) -> None:
     """The roofline's steps per second at every (K, B) of the bound: a step reads its bytes (`steps_per_s`) and does
     its weights' multiply-adds at `rate`, or at the tiles' rate for products of `tiles[0]` rows or more,
     so it takes at least the longer of the two. A K-step runs B (K + 1) rows through the target's verify
-    and MTP layer 0 (the draft extend, whose head drafts from one row of each request), then B rows
-    through each of its K - 1 draft steps."""
-    target, mtp, head = flops
+    and the parts of MTP layer 0 that the draft extend runs on every row (`flops[3]` a row), one row of
+    each request through the rest of the extend's layer and its head, then B rows through each of its
+    K - 1 draft steps. (`flops[2]`, the draft head's, is part of every draft step's `flops[1]`.)"""
+    target, mtp, _, extend_row = flops
     bound.flops_per_s, bound.target_flops, bound.mtp_step_flops = rate, target, mtp
+    bound.extend_row_flops = extend_row
     bound.tile_rows, bound.tile_flops_per_s = tiles
 
     def seconds(rows: int, operations: int) -> float:
@@ -747,9 +764,9 @@ def add_roofline(
     for key, steps in bound.steps_per_s.items():
         k, b = map(int, key.split("/"))
         rows = b * (k + 1)
-        arithmetic = seconds(rows, rows * (target + (mtp[0] - head if k else 0)))
+        arithmetic = seconds(rows, rows * (target + (extend_row if k else 0)))
         if k:
-            arithmetic += seconds(b, b * (head + sum(mtp[j % len(mtp)] for j in range(1, k))))
+            arithmetic += seconds(b, b * (mtp[0] - extend_row + sum(mtp[j % len(mtp)] for j in range(1, k))))
         bound.roofline_steps_per_s[key] = min(steps, 1 / arithmetic) if arithmetic else steps
 
 
@@ -1022,7 +1039,8 @@ def print_report(r: BenchResult) -> None:
         )
         print(
             f"roofline: torch.mm {bound.flops_per_s / 1e9:.0f} GFLOP/s{tiles}; weights' multiply-adds per row "
-            f"{bound.target_flops / 1e6:.2f} MFLOP per target forward, {per_draft_row} per draft step; "
+            f"{bound.target_flops / 1e6:.2f} MFLOP per target forward, {per_draft_row} per draft step "
+            f"({bound.extend_row_flops / 1e6:.2f} of them on every row of a draft extend); "
             + ", ".join(f"K/B={kb}: {s:.0f} steps/s" for kb, s in bound.roofline_steps_per_s.items())
         )
     print(f"compiles {m.compiles}, recompiles {m.recompiles}")
@@ -1123,8 +1141,8 @@ def _check(args: argparse.Namespace) -> None:
     if min(args.prompt_len, args.accept_prompts, args.timed_prompts, args.copy_mb) < 1:
         raise ValueError("prompt-len, accept-prompts, timed-prompts and copy-mb: must be >= 1")
     if args.prompt_len < max(args.depths) + 2:
-        # The bound measures the routing of a K-step's draft extend on windows of K + 1 positions of
-        # each prompt's MTP rows, which start at its second token.
+        # Where a draft extend routes every row of its block (DeepSeek-V4), the bound measures its routing
+        # on windows of K + 1 positions of each prompt's MTP rows, which start at its second token.
         raise ValueError(
             f"prompt-len: must be >= max depth + 2 = {max(args.depths) + 2}, got {args.prompt_len}"
         )
@@ -1303,7 +1321,7 @@ def run(args: argparse.Namespace) -> None:
     target_bytes, mtp_bytes = weight_bytes(model)
     flops = weight_flops(model)
     routing = record(model, prompts.token_ids, max(args.depths))
-    routed = routed_bytes(routing, args.depths, args.batch_sizes)
+    routed = routed_bytes(routing, args.depths, args.batch_sizes, extend_experts_every_row(model))
     del model  # HF loads its own copy next
     hf, meta.hf_attention = bench_hf(args.model, prompts.token_ids, args)
     bandwidth = copy_bandwidth(args.device, args.copy_mb)

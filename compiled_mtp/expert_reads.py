@@ -3,8 +3,10 @@ bound's term for rows that route apart.
 
 One row reads the k experts it is routed to; rows that route apart read the union of their choices
 (the group_experts pass reads each chosen expert once). A K-step's verify runs B (K + 1) rows through
-every target layer: K + 1 consecutive positions of each of B requests. Its draft extend runs the same
-rows through MTP layer 0, and each later draft step B rows, one a request. How far rows' choices
+every target layer: K + 1 consecutive positions of each of B requests. Each of its draft steps runs
+B rows, one a request, through an MTP layer's experts: the draft extend too, whose other rows only
+write their cache entries, except where the family's MTP block runs every row through its experts
+(DeepSeek-V4's), which then reads the same rows' union in MTP layer 0. How far rows' choices
 overlap depends on the text, so it is measured: an eager pass over each prompt records every MoE
 layer's choices at every position, and a step's union is the mean over B prompts' aligned windows of
 as many positions.

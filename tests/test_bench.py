@@ -234,17 +234,36 @@ def test_every_graph_is_ready_before_any_generation(echo_checkpoint, monkeypatch
 
 def test_weight_flops_count_every_matrix_a_token_multiplies_by(echo_checkpoint):
     """Two operations per element of every matrix a token multiplies by: not the embedding (a row is
-    gathered), not the routed experts it is not routed to, the LM head again for a draft step."""
+    gathered), not the routed experts it is not routed to, the LM head again for a draft step; of those,
+    the MTP layer's input projection and cache-entry projection on every row of a draft extend."""
     from compiled_mtp.models.checkpoint import load_model
 
     model = load_model(echo_checkpoint)
     cfg = model.cfg
-    target, (mtp,), head = bench.weight_flops(model)
+    target, (mtp,), head, extend_row = bench.weight_flops(model)
+    layer = model.mtp_layer(0)
+    assert extend_row == 2 * (
+        layer.eh_proj.weight.numel() + layer.self_attn.kv_a_proj_with_mqa.weight.numel()
+    )
+    assert not bench.extend_experts_every_row(model)
     matrices = sum(2 * p.numel() for p in model.parameters() if p.dim() >= 2)
     experts = sum(2 * layer.mlp.experts.gate_proj.numel() * 3 for layer in model.model.layers)
     unused = experts * (cfg.n_routed_experts - cfg.num_experts_per_tok) // cfg.n_routed_experts
     assert head == 2 * model.lm_head.weight.numel()
     assert target + mtp == matrices - unused - 2 * model.model.embed_tokens.weight.numel() + head
+
+
+def test_a_draft_extend_reads_the_experts_of_the_rows_its_layer_routes():
+    """Positions that each choose their own expert: a K=2 step at B=1 reads none beyond one row's in MTP
+    layer 0 where the extend routes one row a request, and those of its other 2 rows where it routes
+    every row (DeepSeek-V4's block)."""
+    from compiled_mtp.expert_reads import Reader, Routing
+
+    experts = torch.nn.Module()
+    experts.gate_proj = torch.nn.Parameter(torch.zeros(4, 3, 2))  # 4 experts of 24 bytes
+    routing = Routing([], [Reader(experts, torch.eye(4, dtype=torch.bool)[None])] * 2)  # draft depths 0, 1
+    assert bench.routed_bytes(routing, [0, 2], [1]) == {"0/1": 0, "2/1": 0}
+    assert bench.routed_bytes(routing, [0, 2], [1], extend_every_row=True) == {"0/1": 0, "2/1": 2 * 24}
 
 
 ROOFLINE_DRAWS = dict(
@@ -256,15 +275,21 @@ ROOFLINE_DRAWS = dict(
 )
 
 
-@given(**ROOFLINE_DRAWS, head=st.integers(0, 10**7), bandwidth=st.floats(1e6, 1e12))
+@given(
+    **ROOFLINE_DRAWS,
+    head=st.integers(0, 10**7),
+    every_row=st.floats(0.0, 1.0),
+    bandwidth=st.floats(1e6, 1e12),
+)
 def test_the_roofline_never_allows_more_than_the_bandwidth_bound(
-    target, draft, head, rate, bandwidth, depths, batches
+    target, draft, head, every_row, rate, bandwidth, depths, batches
 ):
     """At most the bandwidth bound's steps; no more as rows are added (a deeper K, a larger B); and
     the bandwidth bound itself where arithmetic costs nothing."""
+    extend_row = int(every_row * draft[0])  # the part of MTP layer 0 an extend runs on every row
     draft = [d + head for d in draft]  # a draft step's multiply-adds include its head's
     bytes_bound = bench.bandwidth_bound(target, draft, bandwidth, 1, 0.0, depths, batches)
-    bench.add_roofline(bytes_bound, (target, draft, head), rate, (0, 0.0))
+    bench.add_roofline(bytes_bound, (target, draft, head, extend_row), rate, (0, 0.0))
     roof = bytes_bound.roofline_steps_per_s
     for k in depths:
         assert all(roof[f"{k}/{b}"] <= bytes_bound.steps_per_s[f"{k}/{b}"] for b in batches)
@@ -274,7 +299,7 @@ def test_the_roofline_never_allows_more_than_the_bandwidth_bound(
         by_depth = [roof[f"{k}/{b}"] for k in sorted(depths)]
         assert by_depth == sorted(by_depth, reverse=True)
     free = bench.bandwidth_bound(target, draft, bandwidth, 1, 0.0, depths, batches)
-    bench.add_roofline(free, (target, draft, head), float("inf"), (0, 0.0))
+    bench.add_roofline(free, (target, draft, head, extend_row), float("inf"), (0, 0.0))
     assert free.roofline_steps_per_s == free.steps_per_s
 
 
@@ -311,24 +336,27 @@ def test_faster_tile_products_never_lower_the_roofline(
     """Products of tile_rows rows or more at a faster rate: never fewer steps than without them, never
     more than the bandwidth bound's."""
     bounds = [bench.bandwidth_bound(target, draft, 1e9, 1, 0.0, depths, batches) for _ in range(2)]
-    bench.add_roofline(bounds[0], (target, draft, 0), rate, (0, 0.0))
-    bench.add_roofline(bounds[1], (target, draft, 0), rate, (tile_rows, rate * faster))
+    bench.add_roofline(bounds[0], (target, draft, 0, draft[0]), rate, (0, 0.0))
+    bench.add_roofline(bounds[1], (target, draft, 0, draft[0]), rate, (tile_rows, rate * faster))
     for key, steps in bounds[1].roofline_steps_per_s.items():
         assert bounds[0].roofline_steps_per_s[key] <= steps * (1 + 1e-12)
         assert steps <= bounds[1].steps_per_s[key]
 
 
 def test_a_roofline_step_counts_every_row_of_its_graphs():
-    """K=2, B=3: 9 rows through the target and the extend's layer (whose head drafts from 3), 3
-    through the draft step that follows."""
+    """K=2, B=3: 9 rows through the target and the parts of the extend's layer that run on every row,
+    3 through the rest of it (with its head) and through the draft step that follows."""
     bound = bench.bandwidth_bound(10**6, [10**5], 1e12, 1, 0.0, [0, 2], [3])
-    bench.add_roofline(bound, (100, [40], 10), 1320.0, (0, 0.0))
+    bench.add_roofline(bound, (100, [40], 10, 30), 1320.0, (0, 0.0))  # all but the head on every row
     assert bound.roofline_steps_per_s == {
         "0/3": 1320.0 / 300,
         "2/3": 1.0,
     }  # 9 * 100 + 9 * 30 + 3 * 10 + 3 * 40
-    # From 9 rows on (the verify and the extend), the products at 1170 a second: 3 rows still at 1320.
-    bench.add_roofline(bound, (100, [40], 10), 1320.0, (9, 1170.0))
+    bench.add_roofline(bound, (100, [40], 10, 12), 1212.0, (0, 0.0))  # 9 * (100 + 12) + 3 * 28 + 3 * 40
+    assert bound.roofline_steps_per_s["2/3"] == pytest.approx(1.0)
+    # From 9 rows on (the verify and the extend's every-row parts), the products at 1170 a second: 3
+    # rows still at 1320.
+    bench.add_roofline(bound, (100, [40], 10, 30), 1320.0, (9, 1170.0))
     assert bound.roofline_steps_per_s["2/3"] == pytest.approx(1 / (1170 / 1170 + 150 / 1320))
 
 

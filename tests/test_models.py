@@ -133,6 +133,53 @@ def test_mtp_rows_equal_the_whole_block_and_write_the_same_cache(block):
     assert torch.equal(entries_cache, whole_cache) and not torch.equal(entries_cache, cache)
 
 
+@given(mtp_blocks())
+@settings(max_examples=20, deadline=None)
+@torch.no_grad()
+def test_only_the_every_row_modules_run_on_every_row_of_a_block(block):
+    """mtp_every_row_modules, which the bench's bound counts on every row of a draft extend: with `rows`,
+    each matrix-holding module of the MTP layer within them sees T times the rows of a block of T as of
+    a block of 1, and every other one the same rows (one a request)."""
+    raw = block["config"].to_dict()
+    family = family_of(raw)
+    model = family.model(family.config.from_dict(raw)).eval()
+    gen = torch.Generator().manual_seed(block["seed"])
+    randomize_(model, gen)
+    batch, length, capacity = len(block["slots"]), block["length"], 16
+    slots = torch.tensor(block["slots"])
+    positions, write = cache_rows(
+        slots, torch.tensor(block["starts"])[:, None] + torch.arange(length), capacity, batch
+    )
+    tokens = torch.randint(model.cfg.vocab_size, (batch, length), generator=gen)
+    hidden = torch.randn(batch, length, model.hidden_width, generator=gen)
+    layer = model.mtp_layer(0)
+    every_row = {id(m) for part in model.mtp_every_row_modules(0) for m in part.modules()}
+    multiplying = [m for m in layer.modules() if any(p.dim() >= 2 for p in m.parameters(recurse=False))]
+    seen: dict[int, list[int]] = {id(m): [] for m in multiplying}
+    hooks = [
+        m.register_forward_pre_hook(lambda m, args: seen[id(m)].append(args[0].numel() // args[0].shape[-1]))
+        for m in multiplying
+    ]
+    try:
+        for t in (length, 1):
+            cache = torch.zeros(model.num_mtp_layers, batch + 1, capacity, model.cache_layout.width)
+            rows = torch.tensor(block["rows"]).clamp(max=t - 1)
+            model.forward_mtp(
+                0, tokens[:, :t], hidden[:, :t], positions[:, :t], write[:, :t], slots, cache, rows
+            )
+    finally:
+        for hook in hooks:
+            hook.remove()
+    called = [m for m in multiplying if seen[id(m)]]
+    assert called and any(id(m) in every_row for m in called)
+    for m in called:
+        block_rows, one_row = (
+            sum(seen[id(m)][: len(seen[id(m)]) // 2]),
+            sum(seen[id(m)][len(seen[id(m)]) // 2 :]),
+        )
+        assert block_rows == (length if id(m) in every_row else 1) * one_row, type(m).__name__
+
+
 def test_a_context_at_rows_keeps_every_field_and_gathers_the_rows(tiny_checkpoint):
     """Context.at lists the fields it copies (Dynamo before torch 2.13 traces no copy.copy): a field
     added to Context but not to that list would be missing from the MTP layer's one-row attention."""

@@ -8,7 +8,7 @@ the checkpoint, and uses MoE whenever the model has routed experts.
 from __future__ import annotations
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .config import ModelConfig
 from .family import CausalLM
@@ -67,6 +67,9 @@ class MLA(Attention):
             [self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim], dim=-1
         )
         return torch.cat([self.kv_a_layernorm(latent), ctx.rope(k_pe, ctx.cos, ctx.sin)], dim=-1)
+
+    def entry_modules(self) -> list[nn.Module]:
+        return [self.kv_a_proj_with_mqa]
 
     def attend(self, x: Tensor, ctx: Context, kv: Tensor) -> Tensor:
         cfg = self.cfg

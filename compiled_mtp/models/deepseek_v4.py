@@ -815,6 +815,9 @@ class DeepseekV4(CausalLM):
             self.model.embed_tokens(tokens), self._streams(hidden), ctx, layer
         )
 
+    def mtp_every_row_modules(self, layer: int) -> list[nn.Module]:
+        return [self.mtp_layer(layer)]  # the V4 block runs on every row (forward_mtp)
+
     def mtp_layer(self, layer: int) -> MTPBlock:
         mtp = self.mtp[layer]
         assert isinstance(mtp, MTPBlock)

@@ -218,6 +218,13 @@ class CausalLM(nn.Module):
         ctx = self.context(positions, write_index, slots, cache)
         mtp.write_entries(self.model.embed_tokens(tokens), hidden, ctx, layer)
 
+    def mtp_every_row_modules(self, layer: int) -> list[nn.Module]:
+        """The modules of MTP layer `layer` that forward_mtp runs on every row of a block, also where
+        `rows` picks one row a request (a draft extend's block); the rest runs on that row alone."""
+        mtp = self.mtp_layer(layer)
+        assert isinstance(mtp, MTPLayer)  # a family with another MTP layer overrides this method
+        return mtp.every_row_modules()
+
     def mtp_layer(self, layer: int) -> nn.Module:
         """MTP layer `layer`'s module: for DeepSeek-V3 and GLM-4 MoE model.layers[num_hidden_layers + layer]."""
         return self.model.layers[self.cfg.num_hidden_layers + layer]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .config import (
     CheckpointError,
@@ -170,6 +170,9 @@ class GQA(Attention):
             k = self.k_norm(k)
         k = self._rotate(k, ctx.rope, ctx.cos[:, :, None], ctx.sin[:, :, None])
         return torch.cat([k.flatten(2), v.flatten(2)], dim=-1)
+
+    def entry_modules(self) -> list[nn.Module]:
+        return [self.k_proj, self.v_proj]
 
     def attend(self, x: Tensor, ctx: Context, kv: Tensor) -> Tensor:
         b, t, _ = x.shape

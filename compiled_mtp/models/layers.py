@@ -239,6 +239,10 @@ class Attention(nn.Module):
         """The rows' cache entries [B, T, D] from the normed input x [B, T, H]."""
         raise NotImplementedError
 
+    def entry_modules(self) -> list[nn.Module]:
+        """The modules whose weights `entries` multiplies each row by."""
+        raise NotImplementedError
+
     def attend(self, x: Tensor, ctx: Context, kv: Tensor) -> Tensor:
         """The rows' attention output [B, T, H] over their slots' cache entries kv [B, S, D]."""
         raise NotImplementedError
@@ -286,6 +290,11 @@ class MTPLayer(DecoderLayer):
         if rows is None:
             return self.shared_head.norm(super().forward(x, ctx, layer))
         return self.shared_head.norm(self._block_at(x, ctx, layer, rows))
+
+    def every_row_modules(self) -> list[nn.Module]:
+        """The modules forward runs on every row of a block, also where `rows` picks one a request:
+        the input projection and the attention's cache entries' (norms aside, which multiply nothing)."""
+        return [self.eh_proj, *self.self_attn.entry_modules()]
 
     def write_entries(self, embeds: Tensor, hidden: Tensor, ctx: Context, layer: int) -> None:
         """Every row's cache entry, as forward writes it, and nothing past it (the slots' entries it

@@ -103,27 +103,39 @@ def mtp_blocks(draw: st.DrawFn) -> dict:
     )
 
 
+CAPACITY = 16  # an MTP block's cache positions
+
+
+def mtp_block_inputs(block: dict) -> tuple:
+    """A drawn MTP block's model (random weights) and step tensors: the generator that drew them,
+    slots, positions, cache write rows, tokens and hiddens."""
+    raw = block["config"].to_dict()
+    family = family_of(raw)
+    model = family.model(family.config.from_dict(raw)).eval()
+    gen = torch.Generator().manual_seed(block["seed"])
+    randomize_(model, gen)
+    batch, length = len(block["slots"]), block["length"]
+    slots = torch.tensor(block["slots"])
+    positions = torch.tensor(block["starts"])[:, None] + torch.arange(length)
+    valid = torch.tensor(block["writes"]).view(batch, length)
+    positions, write = cache_rows(slots, positions, CAPACITY, batch, valid)
+    tokens = torch.randint(model.cfg.vocab_size, (batch, length), generator=gen)
+    hidden = torch.randn(batch, length, model.hidden_width, generator=gen)
+    return model, gen, slots, positions, write, tokens, hidden
+
+
 @given(mtp_blocks())
 @torch.no_grad()
 def test_mtp_rows_equal_the_whole_block_and_write_the_same_cache(block):
     """forward_mtp with rows: every row's cache entry, bit for bit as forward_mtp writes it, and the drawn
     rows' hiddens as forward_mtp's (fp32: the one-row products may sum in another order).
     write_mtp_entries: the same cache entries, bit for bit."""
-    raw = block["config"].to_dict()
-    family = family_of(raw)
-    model = family.model(family.config.from_dict(raw)).eval()
-    gen = torch.Generator().manual_seed(block["seed"])
-    randomize_(model, gen)
-    batch, length, capacity = len(block["slots"]), block["length"], 16
-    slots = torch.tensor(block["slots"])
-    positions = torch.tensor(block["starts"])[:, None] + torch.arange(length)
-    valid = torch.tensor(block["writes"]).view(batch, length)
-    positions, write = cache_rows(slots, positions, capacity, batch, valid)
-    tokens = torch.randint(model.cfg.vocab_size, (batch, length), generator=gen)
-    hidden = torch.randn(batch, length, model.hidden_width, generator=gen)
+    model, gen, slots, positions, write, tokens, hidden = mtp_block_inputs(block)
     rows = torch.tensor(block["rows"])
     # Earlier positions hold entries already, so the rows attend over more than their own block.
-    cache = torch.randn(model.num_mtp_layers, batch + 1, capacity, model.cache_layout.width, generator=gen)
+    cache = torch.randn(
+        model.num_mtp_layers, len(slots) + 1, CAPACITY, model.cache_layout.width, generator=gen
+    )
     whole_cache, rows_cache, entries_cache = cache.clone(), cache.clone(), cache.clone()
     whole = model.forward_mtp(0, tokens, hidden, positions, write, slots, whole_cache)
     got = model.forward_mtp(0, tokens, hidden, positions, write, slots, rows_cache, rows)
@@ -140,18 +152,8 @@ def test_only_the_every_row_modules_run_on_every_row_of_a_block(block):
     """mtp_every_row_modules, which the bench's bound counts on every row of a draft extend: with `rows`,
     each matrix-holding module of the MTP layer within them sees T times the rows of a block of T as of
     a block of 1, and every other one the same rows (one a request)."""
-    raw = block["config"].to_dict()
-    family = family_of(raw)
-    model = family.model(family.config.from_dict(raw)).eval()
-    gen = torch.Generator().manual_seed(block["seed"])
-    randomize_(model, gen)
-    batch, length, capacity = len(block["slots"]), block["length"], 16
-    slots = torch.tensor(block["slots"])
-    positions, write = cache_rows(
-        slots, torch.tensor(block["starts"])[:, None] + torch.arange(length), capacity, batch
-    )
-    tokens = torch.randint(model.cfg.vocab_size, (batch, length), generator=gen)
-    hidden = torch.randn(batch, length, model.hidden_width, generator=gen)
+    model, _, slots, positions, write, tokens, hidden = mtp_block_inputs(block)
+    length = block["length"]
     layer = model.mtp_layer(0)
     every_row = {id(m) for part in model.mtp_every_row_modules(0) for m in part.modules()}
     multiplying = [m for m in layer.modules() if any(p.dim() >= 2 for p in m.parameters(recurse=False))]
@@ -162,7 +164,7 @@ def test_only_the_every_row_modules_run_on_every_row_of_a_block(block):
     ]
     try:
         for t in (length, 1):
-            cache = torch.zeros(model.num_mtp_layers, batch + 1, capacity, model.cache_layout.width)
+            cache = torch.zeros(model.num_mtp_layers, len(slots) + 1, CAPACITY, model.cache_layout.width)
             rows = torch.tensor(block["rows"]).clamp(max=t - 1)
             model.forward_mtp(
                 0, tokens[:, :t], hidden[:, :t], positions[:, :t], write[:, :t], slots, cache, rows

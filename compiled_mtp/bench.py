@@ -644,21 +644,23 @@ def _matrix_flops(weight: torch.Tensor) -> int:
     return 2 * weight.numel() if weight.dim() >= 2 else 0  # a vector (a norm's) only scales
 
 
-def weight_flops(model: CausalLM) -> tuple[int, list[int], int, int]:
-    """(float operations of one target forward's weights, of one draft step's per MTP layer, of the
-    draft step's head, of MTP layer 0's parts that a draft extend runs on every row of its block), per
-    row: a multiply and an add per matrix element. The embedding row is read, not multiplied."""
-    head = model.lm_head if model.draft_head is None else model.draft_head
+def weight_flops(model: CausalLM) -> tuple[int, list[int], int]:
+    """(float operations of one target forward's weights, of one draft step's per MTP layer (its head
+    included), of MTP layer 0's parts that a draft extend runs on every row of its block), per row: a
+    multiply and an add per matrix element. The embedding row is read, not multiplied."""
     k = model.cfg.num_experts_per_tok or 0
-    every_row = model.mtp_every_row_modules(0) if model.num_mtp_layers else []
-    extend_row = sum(_layer_size(m, k, _matrix_flops) for m in every_row)
-    return *step_sizes(model, _matrix_flops, 0), _matrix_flops(head.weight), extend_row
+    extend_row = sum(_layer_size(m, k, _matrix_flops) for m in _extend_every_row(model))
+    return *step_sizes(model, _matrix_flops, 0), extend_row
 
 
 def extend_experts_every_row(model: CausalLM) -> bool:
     """Whether a draft extend runs MTP layer 0's routed experts on every row of its block."""
-    every_row = model.mtp_every_row_modules(0) if model.num_mtp_layers else []
-    return any(is_stacked_experts(m) for part in every_row for m in part.modules())
+    return any(is_stacked_experts(m) for part in _extend_every_row(model) for m in part.modules())
+
+
+def _extend_every_row(model: CausalLM) -> list[torch.nn.Module]:
+    """MTP layer 0's modules that a draft extend runs on every row of its block (none without MTP)."""
+    return model.mtp_every_row_modules(0) if model.num_mtp_layers else []
 
 
 def copy_bandwidth(device: str, megabytes: int, runs: int = 5) -> float:
@@ -743,17 +745,17 @@ def tile_rate(device: str, dtype: torch.dtype, runs: int = 5) -> tuple[int, floa
 
 def add_roofline(
     bound: Bound,
-    flops: tuple[int, list[int], int, int],
+    flops: tuple[int, list[int], int],
     rate: float,
     tiles: tuple[int, float],
 ) -> None:
     """The roofline's steps per second at every (K, B) of the bound: a step reads its bytes (`steps_per_s`) and does
     its weights' multiply-adds at `rate`, or at the tiles' rate for products of `tiles[0]` rows or more,
     so it takes at least the longer of the two. A K-step runs B (K + 1) rows through the target's verify
-    and the parts of MTP layer 0 that the draft extend runs on every row (`flops[3]` a row), one row of
+    and the parts of MTP layer 0 that the draft extend runs on every row (`flops[2]` a row), one row of
     each request through the rest of the extend's layer and its head, then B rows through each of its
-    K - 1 draft steps. (`flops[2]`, the draft head's, is part of every draft step's `flops[1]`.)"""
-    target, mtp, _, extend_row = flops
+    K - 1 draft steps."""
+    target, mtp, extend_row = flops
     bound.flops_per_s, bound.target_flops, bound.mtp_step_flops = rate, target, mtp
     bound.extend_row_flops = extend_row
     bound.tile_rows, bound.tile_flops_per_s = tiles

@@ -240,7 +240,7 @@ def test_weight_flops_count_every_matrix_a_token_multiplies_by(echo_checkpoint):
 
     model = load_model(echo_checkpoint)
     cfg = model.cfg
-    target, (mtp,), head, extend_row = bench.weight_flops(model)
+    target, (mtp,), extend_row = bench.weight_flops(model)
     layer = model.mtp_layer(0)
     assert extend_row == 2 * (
         layer.eh_proj.weight.numel() + layer.self_attn.kv_a_proj_with_mqa.weight.numel()
@@ -249,7 +249,8 @@ def test_weight_flops_count_every_matrix_a_token_multiplies_by(echo_checkpoint):
     matrices = sum(2 * p.numel() for p in model.parameters() if p.dim() >= 2)
     experts = sum(2 * layer.mlp.experts.gate_proj.numel() * 3 for layer in model.model.layers)
     unused = experts * (cfg.n_routed_experts - cfg.num_experts_per_tok) // cfg.n_routed_experts
-    assert head == 2 * model.lm_head.weight.numel()
+    assert model.draft_head is None  # the draft step's head is the shared LM head, counted again
+    head = 2 * model.lm_head.weight.numel()
     assert target + mtp == matrices - unused - 2 * model.model.embed_tokens.weight.numel() + head
 
 
@@ -289,7 +290,7 @@ def test_the_roofline_never_allows_more_than_the_bandwidth_bound(
     extend_row = int(every_row * draft[0])  # the part of MTP layer 0 an extend runs on every row
     draft = [d + head for d in draft]  # a draft step's multiply-adds include its head's
     bytes_bound = bench.bandwidth_bound(target, draft, bandwidth, 1, 0.0, depths, batches)
-    bench.add_roofline(bytes_bound, (target, draft, head, extend_row), rate, (0, 0.0))
+    bench.add_roofline(bytes_bound, (target, draft, extend_row), rate, (0, 0.0))
     roof = bytes_bound.roofline_steps_per_s
     for k in depths:
         assert all(roof[f"{k}/{b}"] <= bytes_bound.steps_per_s[f"{k}/{b}"] for b in batches)
@@ -299,7 +300,7 @@ def test_the_roofline_never_allows_more_than_the_bandwidth_bound(
         by_depth = [roof[f"{k}/{b}"] for k in sorted(depths)]
         assert by_depth == sorted(by_depth, reverse=True)
     free = bench.bandwidth_bound(target, draft, bandwidth, 1, 0.0, depths, batches)
-    bench.add_roofline(free, (target, draft, head, extend_row), float("inf"), (0, 0.0))
+    bench.add_roofline(free, (target, draft, extend_row), float("inf"), (0, 0.0))
     assert free.roofline_steps_per_s == free.steps_per_s
 
 
@@ -336,8 +337,8 @@ def test_faster_tile_products_never_lower_the_roofline(
     """Products of tile_rows rows or more at a faster rate: never fewer steps than without them, never
     more than the bandwidth bound's."""
     bounds = [bench.bandwidth_bound(target, draft, 1e9, 1, 0.0, depths, batches) for _ in range(2)]
-    bench.add_roofline(bounds[0], (target, draft, 0, draft[0]), rate, (0, 0.0))
-    bench.add_roofline(bounds[1], (target, draft, 0, draft[0]), rate, (tile_rows, rate * faster))
+    bench.add_roofline(bounds[0], (target, draft, draft[0]), rate, (0, 0.0))
+    bench.add_roofline(bounds[1], (target, draft, draft[0]), rate, (tile_rows, rate * faster))
     for key, steps in bounds[1].roofline_steps_per_s.items():
         assert bounds[0].roofline_steps_per_s[key] <= steps * (1 + 1e-12)
         assert steps <= bounds[1].steps_per_s[key]
@@ -347,16 +348,16 @@ def test_a_roofline_step_counts_every_row_of_its_graphs():
     """K=2, B=3: 9 rows through the target and the parts of the extend's layer that run on every row,
     3 through the rest of it (with its head) and through the draft step that follows."""
     bound = bench.bandwidth_bound(10**6, [10**5], 1e12, 1, 0.0, [0, 2], [3])
-    bench.add_roofline(bound, (100, [40], 10, 30), 1320.0, (0, 0.0))  # all but the head on every row
+    bench.add_roofline(bound, (100, [40], 30), 1320.0, (0, 0.0))  # all but the head on every row
     assert bound.roofline_steps_per_s == {
         "0/3": 1320.0 / 300,
         "2/3": 1.0,
     }  # 9 * 100 + 9 * 30 + 3 * 10 + 3 * 40
-    bench.add_roofline(bound, (100, [40], 10, 12), 1212.0, (0, 0.0))  # 9 * (100 + 12) + 3 * 28 + 3 * 40
+    bench.add_roofline(bound, (100, [40], 12), 1212.0, (0, 0.0))  # 9 * (100 + 12) + 3 * 28 + 3 * 40
     assert bound.roofline_steps_per_s["2/3"] == pytest.approx(1.0)
     # From 9 rows on (the verify and the extend's every-row parts), the products at 1170 a second: 3
     # rows still at 1320.
-    bench.add_roofline(bound, (100, [40], 10, 30), 1320.0, (9, 1170.0))
+    bench.add_roofline(bound, (100, [40], 30), 1320.0, (9, 1170.0))
     assert bound.roofline_steps_per_s["2/3"] == pytest.approx(1 / (1170 / 1170 + 150 / 1320))
 
 

@@ -5,6 +5,7 @@ MTP layer's one-row-per-request forward and its cache entries alone against its 
 from __future__ import annotations
 
 import tempfile
+from collections import Counter
 
 import torch
 from hypothesis import example, given, settings
@@ -154,32 +155,36 @@ def test_only_the_every_row_modules_run_on_every_row_of_a_block(block):
     a block of 1, and every other one the same rows (one a request)."""
     model, _, slots, positions, write, tokens, hidden = mtp_block_inputs(block)
     length = block["length"]
-    layer = model.mtp_layer(0)
     every_row = {id(m) for part in model.mtp_every_row_modules(0) for m in part.modules()}
-    multiplying = [m for m in layer.modules() if any(p.dim() >= 2 for p in m.parameters(recurse=False))]
-    seen: dict[int, list[int]] = {id(m): [] for m in multiplying}
-    hooks = [
-        m.register_forward_pre_hook(lambda m, args: seen[id(m)].append(args[0].numel() // args[0].shape[-1]))
-        for m in multiplying
+    multiplying = [
+        m for m in model.mtp_layer(0).modules() if any(p.dim() >= 2 for p in m.parameters(recurse=False))
     ]
-    try:
-        for t in (length, 1):
+
+    def rows_seen(t: int) -> Counter[int]:
+        """Rows each multiplying module is called on in forward_mtp with `rows` over the first t positions."""
+        seen: Counter[int] = Counter()
+        hooks = [
+            m.register_forward_pre_hook(
+                lambda m, args: seen.update({id(m): args[0].numel() // args[0].shape[-1]})
+            )
+            for m in multiplying
+        ]
+        try:
             cache = torch.zeros(model.num_mtp_layers, len(slots) + 1, CAPACITY, model.cache_layout.width)
             rows = torch.tensor(block["rows"]).clamp(max=t - 1)
             model.forward_mtp(
                 0, tokens[:, :t], hidden[:, :t], positions[:, :t], write[:, :t], slots, cache, rows
             )
-    finally:
-        for hook in hooks:
-            hook.remove()
-    called = [m for m in multiplying if seen[id(m)]]
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return seen
+
+    whole, single = rows_seen(length), rows_seen(1)
+    called = [m for m in multiplying if whole[id(m)]]
     assert called and any(id(m) in every_row for m in called)
     for m in called:
-        block_rows, one_row = (
-            sum(seen[id(m)][: len(seen[id(m)]) // 2]),
-            sum(seen[id(m)][len(seen[id(m)]) // 2 :]),
-        )
-        assert block_rows == (length if id(m) in every_row else 1) * one_row, type(m).__name__
+        assert whole[id(m)] == (length if id(m) in every_row else 1) * single[id(m)], type(m).__name__
 
 
 def test_a_context_at_rows_keeps_every_field_and_gathers_the_rows(tiny_checkpoint):

@@ -806,6 +806,33 @@ def test_switches_and_uuids():
         inductor_options(("fuse_everything",))
 
 
+def test_small_loops_of_a_step_graph_run_on_one_thread():
+    """The step graphs compile with inductor_options, whose smallest split loop keeps the loops of a
+    small model's decode step (an RMSNorm of 4 rows of 256, 1024 elements) on one thread even when the
+    process has two, where Inductor's default opens a parallel region for them."""
+    from torch._inductor.utils import run_and_get_code
+
+    def norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+    x, w = torch.randn(4, 256, generator=torch.Generator().manual_seed(0)), torch.ones(256)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        codes = {}
+        for name, options in (("default", {}), ("step", inductor_options(()))):
+            torch._dynamo.reset()
+            compiled = torch.compile(norm, fullgraph=True, dynamic=False, options=options)
+            out, code = run_and_get_code(compiled, x, w)
+            torch.testing.assert_close(out, norm(x, w))
+            codes[name] = "\n".join(code)
+    finally:
+        torch.set_num_threads(before)
+        torch._dynamo.reset()
+    assert "#pragma omp parallel" in codes["default"]
+    assert "#pragma omp" not in codes["step"]
+
+
 def test_command_line_switch(capsys):
     import argparse
 

@@ -96,9 +96,22 @@ class PassManager(CustomGraphPass):
         return hashlib.sha256("|".join(parts).encode()).hexdigest()
 
 
+# Elements a thread must have of a generated CPU loop nest before Inductor splits it across the
+# threads (its default is 512). Each split loop opens a parallel region and ends at a barrier, and a
+# step graph of a small model is dozens of loops of a few thousand elements (norms, rotary
+# embeddings, products on a row or two): on 2 cores, a decode step at B=1 took 1.2x as long with the
+# default as with these loops on one thread (benchmarks/README.md, "Small loops on one thread"). The
+# C++ ops choose their own threads.
+MIN_CHUNK_SIZE = 1 << 18
+
+
 def inductor_options(enabled: tuple[str, ...] | None = None) -> dict[str, Any]:
-    """Inductor config entries that install the passes (all registered ones when `enabled` is None)."""
-    return {"post_grad_custom_post_pass": PassManager(available() if enabled is None else enabled)}
+    """Inductor config entries every step graph compiles with: the passes (all registered ones when
+    `enabled` is None) and the smallest loop it splits across threads."""
+    return {
+        "post_grad_custom_post_pass": PassManager(available() if enabled is None else enabled),
+        "cpp.min_chunk_size": MIN_CHUNK_SIZE,
+    }
 
 
 def without(disabled: list[str]) -> tuple[str, ...]:

@@ -99,9 +99,9 @@ class PassManager(CustomGraphPass):
 # Elements a thread must have of a generated CPU loop nest before Inductor splits it across the
 # threads (its default is 512). Each split loop opens a parallel region and ends at a barrier, and a
 # step graph of a small model is dozens of loops of a few thousand elements (norms, rotary
-# embeddings, products on a row or two): on 2 cores, a decode step at B=1 took 1.2x as long with the
-# default as with these loops on one thread (benchmarks/README.md, "Small loops on one thread"). The
-# C++ ops choose their own threads.
+# embeddings, products on a row or two): on 2 cores, a decode step at B=1 took 1.00-1.22x as long with
+# the default as with these loops on one thread, as the machine's state moved (benchmarks/README.md,
+# "Small loops on one thread"). The C++ ops choose their own threads.
 MIN_CHUNK_SIZE = 1 << 18
 
 

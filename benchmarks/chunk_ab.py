@@ -20,16 +20,10 @@ import statistics
 
 from auto_trace import BenchSystems, add_system_arguments, warm_up
 
-from compiled_mtp.bench import Timing, summed, timed_generate, turns
+from compiled_mtp.bench import Timing, round_ratios, summed, timed_generate, turns
 from compiled_mtp.ops import library
 from compiled_mtp.passes import manager
 from compiled_mtp.runtime import Runtime
-
-
-def ratio(rates: dict[str, list[float]], a: str, b: str) -> str:
-    """a's rate over b's, median and range over the rounds."""
-    each = [x / y for x, y in zip(rates[a], rates[b])]
-    return f"{statistics.median(each):.3f} ({min(each):.3f}-{max(each):.3f})"
 
 
 def main() -> None:
@@ -56,10 +50,12 @@ def main() -> None:
     for name, r in rates.items():
         print(f"  {name:<8} best {max(r):8.1f}  median {statistics.median(r):8.1f}")
     for k in args.depths:
-        print(f"  K={k}: B over A {ratio(rates, f'B K={k}', f'A K={k}')}")
+        print(f"  K={k}: B over A {round_ratios(rates[f'B K={k}'], rates[f'A K={k}'], digits=3)}")
     for k in args.depths[1:]:
         for label in "AB":
-            print(f"  {label}: K={k} over K=0 {ratio(rates, f'{label} K={k}', f'{label} K=0')}")
+            print(
+                f"  {label}: K={k} over K=0 {round_ratios(rates[f'{label} K={k}'], rates[f'{label} K=0'], digits=3)}"
+            )
 
 
 if __name__ == "__main__":

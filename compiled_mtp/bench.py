@@ -805,8 +805,14 @@ def _engine_row(runs: list[EngineRun], k: int | str, b: int) -> EngineRun | None
 def paired_ratio(a: EngineRun, b: EngineRun) -> str:
     """a's decode tok/s over b's round by round: the two ran one after the other in each round, so a
     change in memory speed between rounds, which moves the best runs of each apart, cancels."""
-    ratios = sorted(x / y for x, y in zip(a.decode_runs, b.decode_runs))  # --runs >= 1
-    return f"per round {statistics.median(ratios):.2f}x, {ratios[0]:.2f}-{ratios[-1]:.2f}x over {len(ratios)}"
+    return round_ratios(a.decode_runs, b.decode_runs)  # --runs >= 1
+
+
+def round_ratios(a: Sequence[float], b: Sequence[float], digits: int = 2) -> str:
+    """Rates a over rates b taken in the same rounds, each round's ratio on its own: median and range."""
+    ratios = sorted(x / y for x, y in zip(a, b))
+    median, low, high = statistics.median(ratios), ratios[0], ratios[-1]
+    return f"per round {median:.{digits}f}x, {low:.{digits}f}-{high:.{digits}f}x over {len(ratios)}"
 
 
 def _speedup_goal(runs: list[EngineRun], b: int, goal: float) -> list[Goal]:

@@ -3,11 +3,13 @@
 The graphs are built as AOTInductor packages with Inductor's per-kernel profiling compiled in (each
 generated C++ kernel records itself to the PyTorch profiler), into a capture cache of their own
 (`--cache-dir`, by default a folder under the system's temporary one: the profiling changes the
-code, not the cache key). The runtime generates twice to warm up, then the decode steps of `--batch`
-prompts, generated together, run under the profiler. Printed: each event's own time per decode step
-and its calls per step, the largest first. The profiler's own cost per event (about a microsecond)
-is in every figure, so the figures compare kernels and depths with each other, not with
-graph_times.py's wall times.
+code, not the cache key), without the Python stacks of their nodes: with the profiling, Inductor
+wraps every kernel call in a guard that copies and parses those stacks, tens of microseconds a call
+for a large fused kernel, which would stand between the events. The runtime generates twice to
+warm up, then the decode steps of `--batch` prompts, generated together, run under the profiler.
+Printed: each event's own time per decode step and its calls per step, the largest first. The
+profiler's own cost per event (about a microsecond) is in every figure, so the figures compare
+kernels and depths with each other, not with graph_times.py's wall times.
 
     python benchmarks/kernel_profile.py [--depth 3] [--batch 1] [--steps 200] [--top 40] [--cache-dir DIR]
                                         [--bfloat16-mlps]
@@ -49,11 +51,15 @@ def main() -> None:
 
 
 def profile(depth: int, batch: int, steps: int, top: int, cache_dir: Path) -> None:
+    from torch._inductor import ir
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as profiler
+    from torch.utils._ordered_set import OrderedSet
 
     from compiled_mtp import DEFAULT_MODEL, Runtime, SamplingParams
     from compiled_mtp.bench import bench_prompts
+
+    ir.IRNode.get_stack_traces = lambda self: OrderedSet()  # type: ignore[method-assign]
 
     prompts = bench_prompts(Path(DEFAULT_MODEL), 0, batch, 64).token_ids[:batch]
     rt = Runtime.from_pretrained(

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from .capture.cache import user_cache
@@ -163,6 +164,7 @@ class Runtime:
         self._stats = _Stats()
         self._held: list[StepOutput] = []  # other requests' outputs from steps run by generate()
         self._greedy_noise: dict[tuple[int, int], list[torch.Tensor]] = {}  # (bucket, depth) -> uniforms
+        self._step_inputs: dict[tuple[str, int], tuple[np.ndarray, torch.Tensor]] = {}  # see _step_ints
 
     @classmethod
     def from_pretrained(
@@ -383,6 +385,20 @@ class Runtime:
     def _tensor(self, values: Iterable) -> torch.Tensor:
         return torch.tensor(list(values), dtype=torch.long, device=self._device)
 
+    def _step_ints(self, name: str, values: list[int]) -> torch.Tensor:
+        """A decode step's integer input `name` (slots, lengths): on CPU written into the tensor kept
+        for that name and length, which the step's graphs read before the next step rewrites it. A new
+        tensor costs 10-20 us in the Python between a step's graphs, on caches the graphs emptied
+        (benchmarks/README.md, "A step's integer inputs written in place")."""
+        if self._device.type != "cpu":
+            return self._tensor(values)
+        kept = self._step_inputs.get((name, len(values)))
+        if kept is None:
+            tensor = torch.zeros(len(values), dtype=torch.long)
+            kept = self._step_inputs[name, len(values)] = (tensor.numpy(), tensor)
+        kept[0][:] = values
+        return kept[1]
+
     def _noise(self, reqs: Sequence[_Request], rows: int, width: int) -> torch.Tensor:
         """Uniforms [rows, width], each request's row from its own generator (greedy rows: zeros)."""
         noise = torch.zeros(rows, width)
@@ -438,8 +454,8 @@ class Runtime:
         plan = step_plan(bucket, k, self.depths)
         self.graphs.begin_step()
         pad = bucket - b
-        slots = self._tensor([r.slot for r in reqs] + [self.state.scratch_slot] * pad)
-        lens = self._tensor([r.seq_len for r in reqs] + [1] * pad)
+        slots = self._step_ints("slots", [r.slot for r in reqs] + [self.state.scratch_slot] * pad)
+        lens = self._step_ints("lens", [r.seq_len for r in reqs] + [1] * pad)
         window = self.state.lag_window
         if plan.catch_up and any(r.lag for r in reqs):
             began = time.perf_counter()
@@ -451,7 +467,7 @@ class Runtime:
         start = time.perf_counter()
         decode_noise, verify_noise, extend_noise = self._step_noise(reqs, bucket, k, plan)
         if plan.draft_decode and any(r.drafted < k for r in reqs):
-            drafted = self._tensor([r.drafted for r in reqs] + [0] * pad)
+            drafted = self._step_ints("drafted", [r.drafted for r in reqs] + [0] * pad)
             self.graphs(plan.draft_decode, slots, lens, drafted, decode_noise)
         accepted, committed, hidden = self.graphs(plan.target_verify, slots, lens, verify_noise)
         if plan.draft_extend:

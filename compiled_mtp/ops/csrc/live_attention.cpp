@@ -16,10 +16,9 @@ constexpr int64_t ENTRY_BLOCK = 64;  // cache entries per block: in L2 while eve
 constexpr int64_t WIDE = Vec::size() >= 16 ? 4 : 2;
 // A thread's query rows of a request from which their scores come from each block of entries
 // transposed, the entries along the vector lanes: every score a lane's own sum, none reduced across
-// lanes. The transposition costs about as much as scoring a few rows, so fewer rows (one row of a
-// request's heads) score the entries as stored (benchmarks/README.md, "Scores from the entries
-// transposed" and "live_attention's scores transposed from 8 rows").
-constexpr int64_t TRANSPOSED_ROWS = 8;
+// lanes. The transposition costs about as much as scoring a few rows, so fewer rows score the
+// entries as stored (benchmarks/README.md, "Scores from the entries transposed").
+constexpr int64_t TRANSPOSED_ROWS = 16;
 
 
 // acc[r][e] += <a[r][:n], w[e][:n]> over whole vectors; the tail is left to the caller.

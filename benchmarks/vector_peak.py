@@ -29,19 +29,8 @@ SOURCE = Path(__file__).with_suffix(".cpp")
 
 def build(folder: Path) -> ctypes.CDLL:
     library = folder / "vector_peak.so"
-    command = [
-        "g++",
-        "-O2",
-        "-march=native",
-        "-mavx512bf16",
-        "-fopenmp",
-        "-shared",
-        "-fPIC",
-        str(SOURCE),
-        "-o",
-    ]
-    command.append(str(library))
-    subprocess.run(command, check=True)
+    flags = ["-O2", "-march=native", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC"]
+    subprocess.run(["g++", *flags, str(SOURCE), "-o", str(library)], check=True)
     lib = ctypes.CDLL(str(library))
     for name, args in (
         ("clock_hz", [ctypes.c_long]),

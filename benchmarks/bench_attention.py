@@ -3,9 +3,10 @@
 Each REV's kernel is the op library built from that commit's sources (a worktree under --work, as
 bench_commits.py makes); one process per REV and round times the op on the shipped model's latent
 attention shapes (4 heads, rank 64, rope 16, a 512-entry cache) for `--batch` requests (default 1) of
-1 row (K=0) and of 4 rows (a K=3 verify: 16 query rows) each, at several live lengths. The REVs take turns within every
-round, so a change in the machine's speed meets them all. Printed per shape: each REV's best round,
-and its time over the first REV's per round, median (range).
+1 row (K=0), 2 rows (a K=1 verify: 8 query rows) and 4 rows (K=3: 16 query rows) each, at several
+live lengths. The REVs take turns within every round, so a change in the machine's speed meets them
+all. Printed per shape: each REV's best round, and its time over the first REV's per round, median
+(range).
 
     python benchmarks/bench_attention.py HEAD~1 HEAD [--rounds 5] [--threads 2] [--batch 1]
 """
@@ -30,7 +31,7 @@ gen = torch.Generator().manual_seed(0)
 heads, rank, rope, capacity = 4, 64, 16, 512
 cache = torch.randn(batch + 1, capacity, rank + rope, generator=gen)
 op, out = torch.ops.compiled_mtp.live_attention, {}
-for steps in (1, 4):
+for steps in (1, 2, 4):
     for live in (64, 128, 256, 512):
         ql = torch.randn(batch, steps, heads, rank, generator=gen)
         qp = torch.randn(batch, steps, heads, rope, generator=gen)

@@ -356,9 +356,10 @@ def _attention_case(
     rope: int,
     slots: int,
     blind: bool,
+    holes: bool = False,
 ):
     """Random queries and cache; each row sees its cache up to a random position (none at all, with
-    `blind`, for some rows)."""
+    `blind`, for some rows), and with `holes` only about two thirds of the entries before it."""
     q_latent, q_pe = (
         torch.randn(batch, rows, heads, rank, generator=gen),
         torch.randn(batch, rows, heads, rope, generator=gen),
@@ -370,7 +371,10 @@ def _attention_case(
         else torch.randint(0, slots, (batch,), generator=gen)
     )
     positions = torch.randint(-1 if blind else 0, capacity, (batch, rows), generator=gen)
-    return q_latent, q_pe, cache, slot_ids, torch.arange(capacity) <= positions[..., None]
+    visible = torch.arange(capacity) <= positions[..., None]
+    if holes:
+        visible &= torch.rand(batch, rows, capacity, generator=gen) < 0.7
+    return q_latent, q_pe, cache, slot_ids, visible
 
 
 @settings(max_examples=40, deadline=None, derandomize=True)
@@ -383,21 +387,36 @@ def _attention_case(
     rope=st.integers(1, 20),
     slots=st.integers(3, 5),
     blind=st.booleans(),
+    holes=st.booleans(),
     strided=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-@example(batch=2, rows=5, capacity=150, heads=4, rank=36, rope=16, slots=3, blind=True, strided=True, seed=1)
+@example(
+    batch=2,
+    rows=5,
+    capacity=150,
+    heads=4,
+    rank=36,
+    rope=16,
+    slots=3,
+    blind=True,
+    holes=True,
+    strided=True,
+    seed=1,
+)
 def test_live_attention_equals_attention_over_the_whole_cache(
-    batch, rows, capacity, heads, rank, rope, slots, blind, strided, seed
+    batch, rows, capacity, heads, rank, rope, slots, blind, holes, strided, seed
 ):
     """The op reads only up to the last entry a request's rows see; entries past it, whatever they
-    hold, have no weight in the traced attention. Widths with and without vector tails, caches over
-    several of the kernel's entry blocks, rows that see nothing (NaN, as traced), queries read in
-    place by their strides (head-major, as the absorbed products leave q_latent, or slices of a wider
-    row), and requests of 16 query rows or more, whose scores come from the entries transposed (the
-    example: 20 rows a request, 3 blocks of entries, the last of 22)."""
+    hold, have no weight in the traced attention. Widths with and without tails past the columns a
+    row's lanes take together, caches over several of the kernel's entry blocks, rows that see
+    nothing (NaN, as traced) and masks with holes, queries read in place by their strides (head-major,
+    as the absorbed products leave q_latent, or slices of a wider row), and from 1 to 20 query rows a
+    request, so that a thread scores groups of every size up to 16 rows, each row on 16 lanes down to
+    1 (the example: 20 rows a request, groups of 16 and 4 on one thread, 3 blocks of entries, the last
+    of 22)."""
     q_latent, q_pe, cache, slot_ids, visible = _attention_case(
-        torch.Generator().manual_seed(seed), batch, rows, capacity, heads, rank, rope, slots, blind
+        torch.Generator().manual_seed(seed), batch, rows, capacity, heads, rank, rope, slots, blind, holes
     )
     if strided:
         q_latent = q_latent.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)

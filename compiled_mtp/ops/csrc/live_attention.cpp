@@ -4,191 +4,280 @@
 // entries), the scores, softmax and weighted sum of each row stay here, and the work splits over the
 // threads by request and by query rows. See docs/passes.md, live_attention.
 #include <cstring>
+#include <memory>
 
 #include "ops.h"
 
 namespace compiled_mtp {
 namespace {
-constexpr int64_t ROWS = 4;          // query rows per block
-constexpr int64_t ENTRY_BLOCK = 64;  // cache entries per block: in L2 while every row block uses them
-// Vectors of entries scored at once and of output columns summed at once: ROWS x WIDE accumulators
-// fit 32 vector registers (AVX-512) with room for the loads, and ROWS x 2 fit 16.
-constexpr int64_t WIDE = Vec::size() >= 16 ? 4 : 2;
-// A thread's query rows of a request from which their scores come from each block of entries
-// transposed, the entries along the vector lanes: every score a lane's own sum, none reduced across
-// lanes. The transposition costs about as much as scoring a few rows, so fewer rows score the
-// entries as stored (benchmarks/README.md, "Scores from the entries transposed").
-constexpr int64_t TRANSPOSED_ROWS = 16;
+constexpr int64_t LANES = Vec::size();
+constexpr int64_t ENTRY_BLOCK = 64;  // cache entries per block: in L1 while every group of rows uses them
+constexpr int64_t ROWS = 4;          // query rows per block of the weighted sum
+static_assert(LANES % ROWS == 0);
+// Output columns summed at once: ROWS x WIDE sums fit the vector registers with room for the loads.
+constexpr int64_t WIDE = LANES >= 16 ? 4 : 2;
+using Lanes = uint32_t;  // a bit per lane
+static_assert(LANES <= 32);
 
+// A group of up to LANES query rows is scored with its rows along the lanes, J lanes a row (J = LANES
+// / the group's rows, rounded down to a power of two): a lane multiplies J columns of its row by the
+// same J columns of an entry, broadcast from the entry as stored, so no block of entries is
+// transposed, and a row's J lanes are added once for J entries (pack_sums), where a score of one row
+// against one entry ended in a sum across all of its lanes. Lane r * J + j of the v-th vector of
+// scores holds row r's score for entry v * J + j: the softmax runs along the lanes, and only a row's
+// maximum and sum cross its J lanes (benchmarks/README.md, "Query rows along the lanes").
 
-// acc[r][e] += <a[r][:n], w[e][:n]> over whole vectors; the tail is left to the caller.
-template <int R>
-C10_ALWAYS_INLINE static void dot_vectors(const float* const* a, const float* const* w, int64_t n, Vec acc[][WIDE]) {
-    for (int64_t c = 0; c + Vec::size() <= n; c += Vec::size()) {
-        Vec ws[WIDE];
-        for (int e = 0; e < WIDE; e++) ws[e] = Vec::loadu(w[e] + c);
-        for (int r = 0; r < R; r++) {
-            const Vec x = Vec::loadu(a[r] + c);
-            for (int e = 0; e < WIDE; e++) acc[r][e] = at::vec::fmadd(x, ws[e], acc[r][e]);
+// J consecutive floats from p, repeated along the lanes: lane l holds p[l % J].
+template <int J>
+C10_ALWAYS_INLINE Vec spread(const float* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+    if constexpr (J == 1) return _mm512_set1_ps(*p);
+    if constexpr (J == 2) {
+        double pair;
+        std::memcpy(&pair, p, sizeof pair);
+        return _mm512_castpd_ps(_mm512_set1_pd(pair));
+    }
+    if constexpr (J == 4) return _mm512_broadcast_f32x4(_mm_loadu_ps(p));
+    if constexpr (J == 8) return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd(reinterpret_cast<const double*>(p))));
+    if constexpr (J == 16) return _mm512_loadu_ps(p);
+#endif
+    float lanes[LANES];
+    for (int64_t l = 0; l < LANES; l++) lanes[l] = p[l % J];
+    return Vec::loadu(lanes);
+}
+
+// v with lane l and lane l ^ D exchanged.
+template <int D>
+C10_ALWAYS_INLINE Vec swapped(Vec v) {
+#if defined(CPU_CAPABILITY_AVX512)
+    if constexpr (D == 1) return _mm512_permute_ps(v, 0xB1);
+    if constexpr (D == 2) return _mm512_permute_ps(v, 0x4E);
+    if constexpr (D == 4) return _mm512_shuffle_f32x4(v, v, 0xB1);
+    if constexpr (D == 8) return _mm512_shuffle_f32x4(v, v, 0x4E);
+#endif
+    float lanes[LANES], out[LANES];
+    v.store(lanes);
+    for (int64_t l = 0; l < LANES; l++) out[l] = lanes[l ^ D];
+    return Vec::loadu(out);
+}
+
+// The lanes l with l & D set.
+template <int D>
+constexpr Lanes with_bit() {
+    Lanes bits = 0;
+    for (int64_t l = 0; l < LANES; l++) bits |= Lanes{(l & D) != 0} << l;
+    return bits;
+}
+
+// The lanes l with l % J == 0.
+template <int J>
+constexpr Lanes with_step() {
+    Lanes bits = 0;
+    for (int64_t l = 0; l < LANES; l += J) bits |= Lanes{1} << l;
+    return bits;
+}
+
+// acc[0..J) (entry j's products in acc[j], a row's J lanes to be added) become acc[0] with lane
+// r * J + j holding the sum of acc[j]'s lanes of row r: log2(J) rounds, each adding two vectors'
+// lanes D apart where the other takes the first's place.
+template <int J, int D = 1>
+C10_ALWAYS_INLINE void pack_sums(Vec* acc) {
+    if constexpr (D < J) {
+        constexpr int64_t mask = with_bit<D>();
+        for (int i = 0; i < J; i += 2 * D) {
+            const Vec kept = Vec::template blend<mask>(acc[i], acc[i + D]);
+            const Vec moved = Vec::template blend<mask>(acc[i + D], acc[i]);
+            acc[i] = kept + swapped<D>(moved);
+        }
+        pack_sums<J, 2 * D>(acc);
+    }
+}
+
+// Every lane of v becomes op of its row's J lanes.
+template <int J, typename Op>
+C10_ALWAYS_INLINE Vec across_row(Vec v, Op op) {
+    if constexpr (J >= 2) v = op(v, swapped<1>(v));
+    if constexpr (J >= 4) v = op(v, swapped<2>(v));
+    if constexpr (J >= 8) v = op(v, swapped<4>(v));
+    if constexpr (J >= 16) v = op(v, swapped<8>(v));
+    return v;
+}
+
+// v where `lanes` are set, `other` elsewhere.
+C10_ALWAYS_INLINE Vec select(Lanes lanes, Vec v, Vec other) {
+#if defined(CPU_CAPABILITY_AVX512)
+    return _mm512_mask_blend_ps(static_cast<__mmask16>(lanes), other, v);
+#else
+    float a[LANES], b[LANES];
+    v.store(a);
+    other.store(b);
+    for (int64_t l = 0; l < LANES; l++) a[l] = (lanes >> l) & 1 ? a[l] : b[l];
+    return Vec::loadu(a);
+#endif
+}
+
+// A group of query rows along the lanes, J to a row: lane r * J + j of columns[c] holds column
+// c * J + j of row r (the latent part, then the rope part, as a cache entry stores them) for the first
+// `whole` columns; tail[c] holds column whole + c of each row in its first lane, zeros beside.
+struct Group {
+    std::vector<float> columns, tail;  // [whole / J][LANES], [width - whole][LANES]
+    int64_t whole, J;
+};
+
+// Where a request's query rows are: row q is step q / heads, head q % heads.
+struct Queries {
+    const float *latent, *pe;
+    int64_t l_t, l_h, p_t, p_h, heads;
+    const float* latent_of(int64_t q) const { return latent + q / heads * l_t + q % heads * l_h; }
+    const float* pe_of(int64_t q) const { return pe + q / heads * p_t + q % heads * p_h; }
+};
+
+// The rows [q0, q0 + count) (count * J <= LANES).
+Group group_of(const Queries& q, int64_t q0, int64_t count, int64_t J, int64_t rank, int64_t rope) {
+    const int64_t width = rank + rope, whole = width - width % J;
+    Group g{std::vector<float>(whole / J * LANES, 0.f), std::vector<float>((width - whole) * LANES, 0.f), whole, J};
+    for (int64_t r = 0; r < count; r++) {
+        const float *latent = q.latent_of(q0 + r), *pe = q.pe_of(q0 + r);
+        float* lanes = g.columns.data() + r * J;
+        // Column c goes to vector c / J, lane r * J + c % J (J a power of two).
+        for (int64_t c = 0; c < whole; c++) lanes[(c & -J) * (LANES / J) + (c & (J - 1))] = c < rank ? latent[c] : pe[c - rank];
+        for (int64_t c = whole; c < width; c++) g.tail[(c - whole) * LANES + r * J] = c < rank ? latent[c] : pe[c - rank];
+    }
+    return g;
+}
+
+// A group's scores against the entries [s0, s1) (s0 a multiple of J), E entries at once: each vector
+// of queries is loaded once for E entries, and every J entries' products are packed into one vector.
+// Entries past s1 are scored again as the last one, and masked by the softmax.
+template <int J>
+void score_group(const Group& g, const float* kv, int64_t width, int64_t s0, int64_t s1, float* scores) {
+    constexpr int E = J > 8 ? J : 8;
+    for (int64_t s = s0; s < s1; s += E) {
+        const float* e[E];
+        Vec acc[E];
+        for (int i = 0; i < E; i++) {
+            e[i] = kv + std::min(s + i, s1 - 1) * width;
+            acc[i] = Vec(0.f);
+        }
+        for (int64_t c = 0; c < g.whole / J; c++) {
+            const Vec q = Vec::loadu(g.columns.data() + c * LANES);
+            for (int i = 0; i < E; i++) acc[i] = at::vec::fmadd(q, spread<J>(e[i] + c * J), acc[i]);
+        }
+        for (int64_t c = g.whole; c < width; c++) {
+            const Vec q = Vec::loadu(g.tail.data() + (c - g.whole) * LANES);
+            for (int i = 0; i < E; i++) acc[i] = at::vec::fmadd(q, Vec(e[i][c]), acc[i]);
+        }
+        for (int i = 0; i < E && s + i < s1; i += J) {
+            pack_sums<J>(acc + i);
+            acc[i].store(scores + (s + i) / J * LANES);
         }
     }
 }
 
-static inline float dot_tail(const float* a, const float* w, int64_t n) {
-    float s = 0.f;
-    for (int64_t c = n - n % Vec::size(); c < n; c++) s += a[c] * w[c];
-    return s;
+template <int J = LANES>
+void score_any(const Group& g, const float* kv, int64_t width, int64_t s0, int64_t s1, float* scores) {
+    if (g.J == J) score_group<J>(g, kv, width, s0, s1, scores);
+    else if constexpr (J > 1) score_any<J / 2>(g, kv, width, s0, s1, scores);
 }
 
-// Scores of R query rows against the entries [s0, s1) as stored, WIDE at a time: sc[r][s].
-template <int R>
-static void scores_across(const float* const* ql, const float* const* qp, const float* kv, int64_t s0, int64_t s1,
-                          int64_t rank, int64_t rope, float* const* sc) {
-    const int64_t width = rank + rope;
-    const bool tails = rank % Vec::size() || rope % Vec::size();
-    for (int64_t s = s0; s < s1; s += WIDE) {
-        const float *w[WIDE], *wp[WIDE];
-        for (int e = 0; e < WIDE; e++) {
-            w[e] = kv + std::min(s + e, s1 - 1) * width;  // entries past s1 are computed again, stored once
-            wp[e] = w[e] + rank;
-        }
-        Vec acc[R][WIDE];
-        for (int r = 0; r < R; r++)
-            for (int e = 0; e < WIDE; e++) acc[r][e] = Vec(0.f);
-        dot_vectors<R>(ql, w, rank, acc);
-        dot_vectors<R>(qp, wp, rope, acc);
-        for (int r = 0; r < R; r++) {
-            float sums[WIDE];
-            sum_each<WIDE>(acc[r], sums);  // with AVX-512, the 4 at once
-            for (int e = WIDE - 1; e >= 0; e--) {  // the last entry's score is stored last
-                if (tails) sums[e] += dot_tail(ql[r], w[e], rank) + dot_tail(qp[r], wp[e], rope);
-                sc[r][std::min(s + e, s1 - 1)] = sums[e];
-            }
-        }
+// A group's rows at one step of the request: their lanes, and that step's row of the mask.
+struct Step {
+    Lanes lanes;
+    const bool* visible;
+};
+
+// The lanes of entries [s, s + J) that the group's rows see (none past `live`).
+template <int J>
+Lanes seen(const std::vector<Step>& steps, int64_t s, int64_t live) {
+    constexpr Lanes firsts = with_step<J>();  // a bit at each row's first lane
+    Lanes lanes = 0;
+    for (const Step& step : steps) {
+        Lanes entries = 0;
+        for (int64_t j = 0; j < J && s + j < live; j++) entries |= Lanes{step.visible[s + j]} << j;
+        lanes |= entries * firsts & step.lanes;
     }
+    return lanes;
 }
 
-// acc[r][j] += q[r][c] * kv_t[c][j vectors] for c in [0, n): the entries of a block along the vector
-// lanes (kv_t, the block transposed), so that every score is a lane's own sum and none is reduced
-// across lanes.
-template <int R, int J>
-C10_ALWAYS_INLINE static void dot_columns(const float* const* q, const float* kv_t, int64_t n, Vec (&acc)[R][J]) {
-    for (int64_t c = 0; c < n; c++) {
-        Vec w[J];
-        for (int j = 0; j < J; j++) w[j] = Vec::loadu(kv_t + c * ENTRY_BLOCK + j * Vec::size());
-        for (int r = 0; r < R; r++) {
-            const Vec x(q[r][c]);
-            for (int j = 0; j < J; j++) acc[r][j] = at::vec::fmadd(x, w[j], acc[r][j]);
-        }
+// The scaled, masked softmax of each row of a group's scores over [0, live), left divided by nothing:
+// returns the vector whose lanes hold their row's sum. A row that sees nothing sums to NaN, as traced.
+template <int J>
+Vec softmax_group(float* scores, int64_t live, const std::vector<Step>& steps, float scale) {
+    const Vec none(-std::numeric_limits<float>::infinity()), scaled(scale);
+    const int64_t vectors = (live + J - 1) / J;
+    Vec top = none;
+    for (int64_t v = 0; v < vectors; v++) {
+        const Vec x = select(seen<J>(steps, v * J, live), Vec::loadu(scores + v * LANES) * scaled, none);
+        x.store(scores + v * LANES);
+        top = at::vec::maximum(top, x);
     }
+    top = across_row<J>(top, [](Vec a, Vec b) { return at::vec::maximum(a, b); });
+    Vec sum(0.f);
+    for (int64_t v = 0; v < vectors; v++) {
+        const Vec e = (Vec::loadu(scores + v * LANES) - top).exp();
+        e.store(scores + v * LANES);
+        sum = sum + e;
+    }
+    return across_row<J>(sum, [](Vec a, Vec b) { return a + b; });
 }
 
-// Scores of R query rows against the block's `count` entries, J vectors of them, transposed in kv_t
-// [rank + rope][ENTRY_BLOCK]: sc[r][0 : count].
-template <int R, int J>
-static void scores_along(const float* const* ql, const float* const* qp, const float* kv_t, int64_t count,
-                         int64_t rank, int64_t rope, float* const* sc) {
-    Vec acc[R][J];
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < J; j++) acc[r][j] = Vec(0.f);
-    dot_columns<R, J>(ql, kv_t, rank, acc);
-    dot_columns<R, J>(qp, kv_t + rank * ENTRY_BLOCK, rope, acc);
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < J; j++) {
-            const int64_t first = j * Vec::size();
-            acc[r][j].store(sc[r] + first, static_cast<int>(std::min<int64_t>(Vec::size(), count - first)));
-        }
+template <int J = LANES>
+Vec softmax_any(int64_t spread, float* scores, int64_t live, const std::vector<Step>& steps, float scale) {
+    if (spread == J) return softmax_group<J>(scores, live, steps, scale);
+    if constexpr (J > 1) return softmax_any<J / 2>(spread, scores, live, steps, scale);
+    return Vec(0.f);
 }
 
-template <int R, int J>
-static void scores_along_of(const float* const* ql, const float* const* qp, const float* kv_t, int64_t count,
-                            int64_t rank, int64_t rope, float* const* sc) {
-    if (count > (J - 1) * Vec::size()) scores_along<R, J>(ql, qp, kv_t, count, rank, rope, sc);
-    else if constexpr (J > 1) scores_along_of<R, J - 1>(ql, qp, kv_t, count, rank, rope, sc);
-}
+// Rows [0, R) of a group, its weights a vector of J entries (J = 1 << shift) from p[r] on: entry s's
+// weight is p[r][at(s)].
+struct Weights {
+    const float* p[ROWS];
+    int64_t shift;
+    int64_t at(int64_t s) const { return (s >> shift) * LANES + (s & ((int64_t{1} << shift) - 1)); }
+};
 
-// out[r][c0 : c0 + V vectors] += sum over s in [s0, s1) of p[r][s] * kv[s][c0 : ...].
+// out[r][c0 : c0 + V vectors] += sum over s in [s0, s1) of r's weight of s * kv[s][c0 : ...].
 template <int R, int V>
-static void weighted_sum(const float* const* p, const float* kv, int64_t s0, int64_t s1, int64_t width, int64_t c0,
-                         float* const* out) {
+void weighted_sum(const Weights& p, const float* kv, int64_t s0, int64_t s1, int64_t width, int64_t c0, float* const* out) {
     Vec acc[R][V];
     for (int r = 0; r < R; r++)
-        for (int v = 0; v < V; v++) acc[r][v] = Vec::loadu(out[r] + c0 + v * Vec::size());
+        for (int v = 0; v < V; v++) acc[r][v] = Vec::loadu(out[r] + c0 + v * LANES);
     for (int64_t s = s0; s < s1; s++) {
         Vec w[V];
-        for (int v = 0; v < V; v++) w[v] = Vec::loadu(kv + s * width + c0 + v * Vec::size());
+        for (int v = 0; v < V; v++) w[v] = Vec::loadu(kv + s * width + c0 + v * LANES);
+        const int64_t index = p.at(s);
         for (int r = 0; r < R; r++) {
-            const Vec ps(p[r][s]);
+            const Vec ps(p.p[r][index]);
             for (int v = 0; v < V; v++) acc[r][v] = at::vec::fmadd(ps, w[v], acc[r][v]);
         }
     }
     for (int r = 0; r < R; r++)
-        for (int v = 0; v < V; v++) acc[r][v].store(out[r] + c0 + v * Vec::size());
+        for (int v = 0; v < V; v++) acc[r][v].store(out[r] + c0 + v * LANES);
 }
 
-// Rows [0, R) of a block against the entries [s0, s1): their scores, from the block transposed where
-// there is one (kv_t), or the weighted sum of every column.
+// Rows [0, R)'s weighted sums of the entries [s0, s1), every column of the latent part.
 template <int R>
-static void block(bool score, const float* const* ql, const float* const* qp, const float* kv, const float* kv_t,
-                  int64_t s0, int64_t s1, int64_t rank, int64_t rope, float* const* p, float* const* out) {
-    const int64_t width = rank + rope;
-    if (score && kv_t == nullptr) return scores_across<R>(ql, qp, kv, s0, s1, rank, rope, p);
-    if (score) {
-        for (int64_t e0 = 0; e0 < s1 - s0; e0 += WIDE * Vec::size()) {
-            float* sc[R];
-            for (int r = 0; r < R; r++) sc[r] = p[r] + s0 + e0;
-            scores_along_of<R, WIDE>(ql, qp, kv_t + e0, std::min(WIDE * Vec::size(), s1 - s0 - e0), rank, rope, sc);
-        }
-        return;
-    }
-    const int64_t step = WIDE * Vec::size(), whole = rank - rank % Vec::size();
+void weigh(const Weights& p, const float* kv, int64_t s0, int64_t s1, int64_t rank, int64_t width, float* const* out) {
+    const int64_t step = WIDE * LANES, whole = rank - rank % LANES;
     int64_t c = 0;
     for (; c + step <= whole; c += step) weighted_sum<R, WIDE>(p, kv, s0, s1, width, c, out);
-    for (; c < whole; c += Vec::size()) weighted_sum<R, 1>(p, kv, s0, s1, width, c, out);
+    for (; c < whole; c += LANES) weighted_sum<R, 1>(p, kv, s0, s1, width, c, out);
     for (int r = 0; r < R; r++)
         for (int64_t col = whole; col < rank; col++)
-            for (int64_t s = s0; s < s1; s++) out[r][col] += p[r][s] * kv[s * width + col];
+            for (int64_t s = s0; s < s1; s++) out[r][col] += p.p[r][p.at(s)] * kv[s * width + col];
 }
 
 template <int R>
-static void block_any(int64_t rows, bool score, const float* const* ql, const float* const* qp, const float* kv,
-                      const float* kv_t, int64_t s0, int64_t s1, int64_t rank, int64_t rope, float* const* p,
-                      float* const* out) {
-    if (rows == R) block<R>(score, ql, qp, kv, kv_t, s0, s1, rank, rope, p, out);
-    else if constexpr (R > 1) block_any<R - 1>(rows, score, ql, qp, kv, kv_t, s0, s1, rank, rope, p, out);
-}
-
-// Scaled, masked softmax of one row of scores over [0, live); no visible entry gives NaN, as traced.
-// Every pass runs over whole vectors (the masking is the compiler's): a scalar running maximum was a
-// chain of dependent instructions as long as the row.
-static void softmax(float* sc, const bool* visible, int64_t live, float scale) {
-    constexpr float none = -std::numeric_limits<float>::infinity();
-    for (int64_t s = 0; s < live; s++) sc[s] = visible[s] ? sc[s] * scale : none;
-    const int64_t whole = live - live % Vec::size();
-    Vec tops(none);
-    for (int64_t s = 0; s < whole; s += Vec::size()) tops = at::vec::maximum(tops, Vec::loadu(sc + s));
-    float top = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, tops);
-    for (int64_t s = whole; s < live; s++) top = std::max(top, sc[s]);
-    if (top == none) {
-        std::fill(sc, sc + live, std::numeric_limits<float>::quiet_NaN());
-        return;
-    }
-    Vec total(0.f);
-    for (int64_t s = 0; s < whole; s += Vec::size()) {
-        const Vec e = (Vec::loadu(sc + s) - Vec(top)).exp();
-        e.store(sc + s);
-        total = total + e;
-    }
-    float sum = sum_lanes(total);
-    for (int64_t s = whole; s < live; s++) sum += (sc[s] = std::exp(sc[s] - top));
-    for (int64_t s = 0; s < whole; s += Vec::size()) (Vec::loadu(sc + s) / Vec(sum)).store(sc + s);
-    for (int64_t s = whole; s < live; s++) sc[s] /= sum;
+void weigh_any(int64_t rows, const Weights& p, const float* kv, int64_t s0, int64_t s1, int64_t rank, int64_t width,
+               float* const* out) {
+    if (rows == R) weigh<R>(p, kv, s0, s1, rank, width, out);
+    else if constexpr (R > 1) weigh_any<R - 1>(rows, p, kv, s0, s1, rank, width, out);
 }
 
 // The entries up to the last visible one in a row of `visible` (0 if none). Every layer scans every
 // query row's whole mask, most of it the cache's unused capacity, so blocks of 64 entries are tested
 // as 8 words at once: byte by byte, the scans cost about 8 us a layer at 4 requests of 4 rows.
-static int64_t visible_prefix(const bool* row, int64_t capacity) {
+int64_t visible_prefix(const bool* row, int64_t capacity) {
     int64_t s = capacity;
     for (; s >= 64; s -= 64) {
         uint64_t any = 0;
@@ -201,6 +290,62 @@ static int64_t visible_prefix(const bool* row, int64_t capacity) {
     }
     while (s > 0 && !row[s - 1]) s--;
     return s;
+}
+
+// The steps of a group's rows [g0, g0 + count) of a request, J lanes a row; `visible` its mask [T, S].
+std::vector<Step> steps_of(int64_t g0, int64_t count, int64_t J, int64_t heads, const bool* visible, int64_t capacity) {
+    std::vector<Step> steps;
+    for (int64_t t = g0 / heads; t <= (g0 + count - 1) / heads; t++) {
+        const int64_t r0 = std::max(g0, t * heads) - g0, r1 = std::min(g0 + count, (t + 1) * heads) - g0;
+        steps.push_back({static_cast<Lanes>(((uint64_t{1} << (r1 * J)) - 1) ^ ((uint64_t{1} << (r0 * J)) - 1)), visible + t * capacity});
+    }
+    return steps;
+}
+
+// J for a group of `rows`: the largest power of two with rows * J <= LANES.
+int64_t lanes_per_row(int64_t rows) {
+    int64_t J = LANES;
+    while (J > 1 && rows * J > LANES) J /= 2;
+    return J;
+}
+
+// One request's query rows [q0, q1) against its n live entries kv: their attention into o [q1 - q0, rank].
+void attend(const Queries& q, int64_t q0, int64_t q1, const float* kv, int64_t n, const bool* visible, int64_t capacity,
+            int64_t rank, int64_t rope, float scale, float* o) {
+    const int64_t width = rank + rope, groups = (q1 - q0 + LANES - 1) / LANES;
+    std::vector<Group> group;
+    for (int64_t i = 0; i < groups; i++) {
+        const int64_t count = std::min(LANES, q1 - q0 - i * LANES);
+        group.push_back(group_of(q, q0 + i * LANES, count, lanes_per_row(count), rank, rope));
+    }
+    std::vector<int64_t> begin(groups + 1, 0);  // where each group's scores begin: n / J vectors, rounded up
+    for (int64_t i = 0; i < groups; i++) begin[i + 1] = begin[i] + (n + group[i].J - 1) / group[i].J * LANES;
+    const std::unique_ptr<float[]> scores(new float[begin[groups]]);  // each vector written before it is read
+    for (int64_t s0 = 0; s0 < n; s0 += ENTRY_BLOCK)  // a block of entries stays in L1 for every group
+        for (int64_t i = 0; i < groups; i++)
+            score_any(group[i], kv, width, s0, std::min(s0 + ENTRY_BLOCK, n), scores.get() + begin[i]);
+    std::vector<float> share(q1 - q0);  // each row's 1 / its sum
+    for (int64_t i = 0; i < groups; i++) {
+        const int64_t g0 = q0 + i * LANES, count = std::min(LANES, q1 - g0), J = group[i].J;
+        float sums[LANES];
+        softmax_any(J, scores.get() + begin[i], n, steps_of(g0, count, J, q.heads, visible, capacity), scale).store(sums);
+        for (int64_t r = 0; r < count; r++) share[g0 - q0 + r] = 1.f / sums[r * J];
+    }
+    // Blocks of ROWS rows, each within a group (ROWS divides LANES).
+    for (int64_t s0 = 0; s0 < n; s0 += ENTRY_BLOCK)
+        for (int64_t r0 = 0; r0 < q1 - q0; r0 += ROWS) {
+            const Group& g = group[r0 / LANES];
+            Weights p{{}, 0};
+            while ((int64_t{1} << p.shift) < g.J) p.shift++;
+            float* out[ROWS];
+            for (int64_t r = 0; r < std::min(ROWS, q1 - q0 - r0); r++) {
+                p.p[r] = scores.get() + begin[r0 / LANES] + (r0 + r) % LANES * g.J;
+                out[r] = o + (r0 + r) * rank;
+            }
+            weigh_any<ROWS>(std::min(ROWS, q1 - q0 - r0), p, kv, s0, std::min(s0 + ENTRY_BLOCK, n), rank, width, out);
+        }
+    for (int64_t r = 0; r < q1 - q0; r++)
+        for (int64_t c = 0; c < rank; c++) o[r * rank + c] *= share[r];
 }
 
 // q_latent [B, T, H, rank], q_pe [B, T, H, rope], cache [N, S, rank + rope], slots [B], visible [B, T, S]
@@ -221,41 +366,12 @@ void kernel(const float* q_latent, const float* q_pe, const float* cache, const 
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t item = 0; item < batch * chunks; item++) {
         const int64_t b = item / chunks, q0 = (item % chunks) * chunk, q1 = std::min(q0 + chunk, rows), n = live[b];
-        const float* kv = cache + slots[b] * capacity * width;
-        std::vector<float> probs((q1 - q0) * n), kv_t(q1 - q0 >= TRANSPOSED_ROWS ? width * ENTRY_BLOCK : 0, 0.f);
-        float* const transposed = kv_t.empty() ? nullptr : kv_t.data();
         float* o = out + (b * rows + q0) * rank;
         // Nothing visible to any row: NaN, as traced; else the weighted sum accumulates from zero.
         std::fill(o, o + (q1 - q0) * rank, n ? 0.f : std::numeric_limits<float>::quiet_NaN());
-        // Every block of entries against every block of rows: their scores, or their weighted sum.
-        auto each_block = [&](bool score) {
-            for (int64_t s0 = 0; s0 < n; s0 += ENTRY_BLOCK) {
-                const int64_t s1 = std::min(s0 + ENTRY_BLOCK, n);
-                // Transposed once for all the rows' scores. Past s1, kv_t holds an earlier block's
-                // entries (or zeros): scored with the others, never stored.
-                if (score && transposed != nullptr) {
-                    at::vec::transpose_mxn<float>(kv + s0 * width, width, transposed, ENTRY_BLOCK,
-                                                  static_cast<int>(s1 - s0), static_cast<int>(width));
-                }
-                for (int64_t r0 = q0; r0 < q1; r0 += ROWS) {
-                    const int64_t count = std::min(ROWS, q1 - r0);
-                    const float *ql[ROWS], *qp[ROWS];
-                    float *p[ROWS], *acc[ROWS];
-                    for (int64_t r = 0; r < count; r++) {
-                        const int64_t t = (r0 + r) / heads, h = (r0 + r) % heads;
-                        ql[r] = q_latent + b * ql_b + t * ql_t + h * ql_h;
-                        qp[r] = q_pe + b * qp_b + t * qp_t + h * qp_h;
-                        p[r] = probs.data() + (r0 + r - q0) * n;
-                        acc[r] = o + (r0 + r - q0) * rank;
-                    }
-                    block_any<ROWS>(count, score, ql, qp, kv, transposed, s0, s1, rank, rope, p, acc);
-                }
-            }
-        };
-        each_block(true);
-        for (int64_t q = q0; q < q1; q++)
-            softmax(probs.data() + (q - q0) * n, visible + (b * steps + q / heads) * capacity, n, scale);
-        each_block(false);
+        if (n == 0) continue;
+        const Queries q{q_latent + b * ql_b, q_pe + b * qp_b, ql_t, ql_h, qp_t, qp_h, heads};
+        attend(q, q0, q1, cache + slots[b] * capacity * width, n, visible + b * steps * capacity, capacity, rank, rope, scale, o);
     }
 }
 

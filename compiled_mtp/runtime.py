@@ -388,7 +388,7 @@ class Runtime:
     def _step_ints(self, name: str, values: list[int]) -> torch.Tensor:
         """A decode step's integer input `name` (slots, lengths): on CPU written into the tensor kept
         for that name and length, which the step's graphs read before the next step rewrites it; a new
-        tensor each step costs more than the write (docs/design.md, graph inputs)."""
+        tensor each step costs more than the write (docs/design.md, "The decode loop as graphs")."""
         if self._device.type != "cpu":
             return self._tensor(values)
         kept = self._step_inputs.get((name, len(values)))

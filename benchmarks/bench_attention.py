@@ -2,11 +2,12 @@
 
 Each REV's kernel is the op library built from that commit's sources (a worktree under --work, as
 bench_commits.py makes); one process per REV and round times the op on the shipped model's latent
-attention shapes (4 heads, rank 64, rope 16, a 512-entry cache) for `--batch` requests (default 1) of
-1 row (K=0), 2 rows (a K=1 verify: 8 query rows) and 4 rows (K=3: 16 query rows) each, at several
-live lengths. The REVs take turns within every round, so a change in the machine's speed meets them
-all. Printed per shape: each REV's best round, and its time over the first REV's per round, median
-(range).
+attention shapes (4 heads, rank 64, rope 16, 32 key and 32 value columns a head in kv_b_proj, read
+from a bfloat16 copy as the bfloat16_reads pass hands it, a 512-entry cache) for `--batch` requests
+(default 1) of 1 row (K=0), 2 rows (a K=1 verify: 8 query rows) and 4 rows (K=3: 16 query rows)
+each, at several live lengths. The REVs take turns within every round, so a change in the machine's
+speed meets them all. Printed per shape: each REV's best round, and its time over the first REV's
+per round, median (range).
 
     python benchmarks/bench_attention.py HEAD~1 HEAD [--rounds 5] [--threads 2] [--batch 1]
 """
@@ -20,7 +21,7 @@ from pathlib import Path
 from bench_commits import checkout, run_child
 
 # Run inside the child process, against the commit's own ops: their schema is the same on every commit
-# since the op took the cache by slot.
+# since the op took the absorbed products (q_nope and kv_b_proj's weight).
 CHILD = """
 import json, sys, time, statistics, torch
 from compiled_mtp.ops import library
@@ -28,16 +29,17 @@ library.load()
 torch.set_num_threads(int(sys.argv[1]))
 batch = int(sys.argv[2])
 gen = torch.Generator().manual_seed(0)
-heads, rank, rope, capacity = 4, 64, 16, 512
+heads, rank, rope, dn, dv, capacity = 4, 64, 16, 32, 32, 512
 cache = torch.randn(batch + 1, capacity, rank + rope, generator=gen)
+kv_b = torch.randn(heads * (dn + dv), rank, generator=gen).bfloat16()
 op, out = torch.ops.compiled_mtp.live_attention, {}
 for steps in (1, 2, 4):
     for live in (64, 128, 256, 512):
-        ql = torch.randn(batch, steps, heads, rank, generator=gen)
+        qn = torch.randn(batch, steps, heads, dn, generator=gen)
         qp = torch.randn(batch, steps, heads, rope, generator=gen)
         visible = torch.zeros(batch, steps, capacity, dtype=torch.bool)
         visible[..., :live] = True
-        args = (ql, qp, cache, torch.arange(1, batch + 1), visible, 0.1)
+        args = (qn, qp, kv_b, cache, torch.arange(1, batch + 1), visible, 0.1)
         for _ in range(100):
             op(*args)
         times = []

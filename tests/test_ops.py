@@ -357,13 +357,17 @@ def _attention_case(
     slots: int,
     blind: bool,
     holes: bool = False,
+    dn: int = 8,
+    dv: int = 8,
 ):
-    """Random queries and cache; each row sees its cache up to a random position (none at all, with
-    `blind`, for some rows), and with `holes` only about two thirds of the entries before it."""
-    q_latent, q_pe = (
-        torch.randn(batch, rows, heads, rank, generator=gen),
+    """Random queries, kv_b_proj weight and cache; each row sees its cache up to a random position
+    (none at all, with `blind`, for some rows), and with `holes` only about two thirds of the entries
+    before it. The weight's values are bfloat16's, so that its bfloat16 copy holds the same ones."""
+    q_nope, q_pe = (
+        torch.randn(batch, rows, heads, dn, generator=gen),
         torch.randn(batch, rows, heads, rope, generator=gen),
     )
+    kv_b = (torch.randn(heads * (dn + dv), rank, generator=gen) / dn**0.5).bfloat16().float()
     cache = 10 * torch.randn(slots, capacity, rank + rope, generator=gen)
     slot_ids = (
         torch.randperm(slots, generator=gen)[:batch]
@@ -374,7 +378,7 @@ def _attention_case(
     visible = torch.arange(capacity) <= positions[..., None]
     if holes:
         visible &= torch.rand(batch, rows, capacity, generator=gen) < 0.7
-    return q_latent, q_pe, cache, slot_ids, visible
+    return q_nope, q_pe, kv_b, cache, slot_ids, visible
 
 
 @settings(max_examples=40, deadline=None, derandomize=True)
@@ -385,10 +389,13 @@ def _attention_case(
     heads=st.integers(1, 4),
     rank=st.integers(1, 40),
     rope=st.integers(1, 20),
+    dn=st.integers(1, 40),
+    dv=st.integers(1, 40),
     slots=st.integers(3, 5),
     blind=st.booleans(),
     holes=st.booleans(),
     strided=st.booleans(),
+    bfloat16=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 @example(
@@ -398,31 +405,36 @@ def _attention_case(
     heads=4,
     rank=36,
     rope=16,
+    dn=32,
+    dv=7,
     slots=3,
     blind=True,
     holes=True,
     strided=True,
+    bfloat16=True,
     seed=1,
 )
 def test_live_attention_equals_attention_over_the_whole_cache(
-    batch, rows, capacity, heads, rank, rope, slots, blind, holes, strided, seed
+    batch, rows, capacity, heads, rank, rope, dn, dv, slots, blind, holes, strided, bfloat16, seed
 ):
     """The op reads only up to the last entry a request's rows see; entries past it, whatever they
     hold, have no weight in the traced attention. Widths with and without tails past the columns a
-    row's lanes take together, caches over several of the kernel's entry blocks, rows that see
-    nothing (NaN, as traced) and masks with holes, queries read in place by their strides (head-major,
-    as the absorbed products leave q_latent, or slices of a wider row), and from 1 to 20 query rows a
+    row's lanes take together, and past the vectors of the absorbed products; caches over several of
+    the kernel's entry blocks, rows that see nothing (NaN, as traced) and masks with holes; queries
+    read in place by their strides (slices of a wider row, as q_b_proj's output gives them, or
+    head-major); kv_b_proj's weight as float32 or as its bfloat16 copy; and from 1 to 20 query rows a
     request, so that a thread scores groups of every size up to 16 rows, each row on 16 lanes down to
-    1 (the example: 20 rows a request, groups of 16 and 4 on one thread, 3 blocks of entries, the last
-    of 22)."""
-    q_latent, q_pe, cache, slot_ids, visible = _attention_case(
-        torch.Generator().manual_seed(seed), batch, rows, capacity, heads, rank, rope, slots, blind, holes
-    )
+    1, and takes each head's rows into the latent space and out of it up to 4 at a time (the example:
+    20 rows a request, groups of 16 and 4 on one thread, 3 blocks of entries, the last of 22)."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = (batch, rows, capacity, heads, rank, rope, slots)
+    q_nope, q_pe, kv_b, cache, slot_ids, visible = _attention_case(gen, *shapes, blind, holes, dn, dv)
     if strided:
-        q_latent = q_latent.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
-        q_pe = torch.cat([q_pe, torch.randn_like(q_pe)], dim=-1)[..., :rope]
-    expected = latent_attention(q_latent, q_pe, cache[slot_ids], visible, 0.3)
-    got = ops.live_attention(q_latent, q_pe, cache, slot_ids, visible, 0.3)
+        q_nope = torch.cat([q_nope, q_pe], dim=-1)[..., :dn]
+        q_pe = q_pe.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
+    expected = latent_attention(q_nope, q_pe, kv_b, cache[slot_ids], visible, 0.3)
+    weight = kv_b.bfloat16() if bfloat16 else kv_b
+    got = ops.live_attention(q_nope, q_pe, weight, cache, slot_ids, visible, 0.3)
     # Scores reach ~100 here and exp turns their rounding (summed in another order) into relative
     # differences of ~1e-5 in the weights of entries of size ~10; a wrong entry or mask is off by ~1.
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-3, equal_nan=True)
@@ -442,7 +454,7 @@ def _refusals():
         torch.randn(6, 8, 24, generator=gen),
         torch.randn(6, 24, 8, generator=gen),
     )
-    q_latent, q_pe, cache, slots, visible = _attention_case(gen, 2, 3, 70, 2, 20, 6, 3, blind=False)
+    q_nope, q_pe, kv_b, cache, slots, visible = _attention_case(gen, 2, 3, 70, 2, 20, 6, 3, blind=False)
     logits, drafts, q, noise = (
         torch.randn(2, 3, 50, generator=gen),
         torch.randint(0, 50, (2, 2), generator=gen),
@@ -474,12 +486,16 @@ def _refusals():
             "routed_experts: up must be BFloat16, got Float",
         ),
         (
-            lambda: ops.live_attention(q_latent, q_pe, cache, slots, visible[:, :, :69], 0.3),
+            lambda: ops.live_attention(q_nope, q_pe, kv_b, cache, slots, visible[:, :, :69], 0.3),
             "live_attention: visible must be [2, 3, 70], got [2, 3, 69]",
         ),
         (
-            lambda: ops.live_attention(q_latent, q_pe, cache, slots.int(), visible, 0.3),
+            lambda: ops.live_attention(q_nope, q_pe, kv_b, cache, slots.int(), visible, 0.3),
             "live_attention: slots must be Long, got Int",
+        ),
+        (
+            lambda: ops.live_attention(q_nope, q_pe, kv_b[:, :19].contiguous(), cache, slots, visible, 0.3),
+            "live_attention: kv_b must be [2 x (8 + v), 20], got [32, 19]",
         ),
         (
             lambda: ops.greedy_sample(logits, torch.zeros(2), drafts[:, :1], q, noise),

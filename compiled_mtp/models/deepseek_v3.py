@@ -74,32 +74,31 @@ class MLA(Attention):
     def attend(self, x: Tensor, ctx: Context, kv: Tensor) -> Tensor:
         cfg = self.cfg
         b, t, _ = x.shape
-        nh, dn, dr, dv, r = (
-            cfg.num_attention_heads,
-            cfg.qk_nope_head_dim,
-            cfg.qk_rope_head_dim,
-            cfg.v_head_dim,
-            cfg.kv_lora_rank,
-        )
+        nh, dn, dr, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         q = self.q_proj(x) if cfg.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q_nope, q_pe = q.view(b, t, nh, cfg.qk_head_dim).split([dn, dr], dim=-1)
         q_pe = ctx.rope(q_pe, ctx.cos[:, :, None], ctx.sin[:, :, None])
-        w = self.kv_b_proj.weight.view(nh, dn + dv, r)
-        q_latent = torch.einsum("bthd,hdr->bthr", q_nope, w[:, :dn])
-        out_latent = latent_attention(q_latent, q_pe, kv, ctx.visible, cfg.softmax_scale)
-        out = torch.einsum("bthr,hvr->bthv", out_latent, w[:, dn:])
+        out = latent_attention(q_nope, q_pe, self.kv_b_proj.weight, kv, ctx.visible, cfg.softmax_scale)
         return self.o_proj(out.reshape(b, t, nh * dv))
 
 
-def latent_attention(q_latent: Tensor, q_pe: Tensor, kv: Tensor, visible: Tensor, scale: float) -> Tensor:
-    """MLA's attention in the latent space: queries q_latent [B, T, H, r] and q_pe [B, T, H, dr] over
-    cache entries kv [B, S, r + dr], row (b, t) attending to the entries where visible [B, T, S]
-    holds -> [B, T, H, r]. A function of its own so a pass can find it (passes/live_attention.py)."""
+def latent_attention(
+    q_nope: Tensor, q_pe: Tensor, kv_b: Tensor, kv: Tensor, visible: Tensor, scale: float
+) -> Tensor:
+    """MLA's attention in the latent space: queries q_nope [B, T, H, dn] taken into it through each
+    head's key half of kv_b_proj's weight kv_b [H * (dn + dv), r], and q_pe [B, T, H, dr], over cache
+    entries kv [B, S, r + dr], row (b, t) attending to the entries where visible [B, T, S] holds; out
+    through each head's value half -> [B, T, H, dv]. A function of its own so a pass can find it
+    (passes/live_attention.py)."""
+    heads, dn = q_nope.shape[2], q_nope.shape[3]
+    w = kv_b.view(heads, -1, kv_b.shape[-1])
+    q_latent = torch.einsum("bthd,hdr->bthr", q_nope, w[:, :dn])
     kv_latent, kv_pe = kv.split([q_latent.shape[-1], q_pe.shape[-1]], dim=-1)
     scores = torch.einsum("bthr,bsr->bhts", q_latent, kv_latent) + torch.einsum("bthd,bsd->bhts", q_pe, kv_pe)
     scores = (scores.float() * scale).masked_fill(~visible[:, None], float("-inf"))
     probs = scores.softmax(dim=-1).to(kv.dtype)
-    return torch.einsum("bhts,bsr->bthr", probs, kv_latent)
+    out_latent = torch.einsum("bhts,bsr->bthr", probs, kv_latent)
+    return torch.einsum("bthr,hvr->bthv", out_latent, w[:, dn:])
 
 
 class DeepseekV3(CausalLM):

@@ -14,7 +14,7 @@ table a token, where a copy would cost half the table's bytes for nothing. Each 
 of its own (PREFIX + the weight's name), which the package is built without, like every weight:
 aot.load makes it from the live model's weight, once per model (capture/weight_copies.py), and
 checks that weight's values. The ops that read bfloat16 weights themselves (READS_BFLOAT16: the
-routed experts, which have no panels) take the copy as it is.
+routed experts, which have no panels, and the attention's kv_b_proj) take the copy as it is.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ SEPARATOR = "$"  # in place of the dots of the weight's name: a buffer's name ha
 # Products Inductor calls out to a library for (CPU), besides every op outside aten and prims; and
 # the embedding's lookup, which reads a row a token: a copy of the table would gain nothing.
 KEEP = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.embedding.default}
-READS_BFLOAT16 = ("compiled_mtp::routed_experts",)
+READS_BFLOAT16 = ("compiled_mtp::routed_experts", "compiled_mtp::live_attention")
 VIEWS = {
     aten.permute.default,
     aten.view.default,

@@ -8,8 +8,11 @@ each request's entries up to the last one its rows see, reading them from the ca
 graph's gather of every slot's whole cache goes as well.
 
 Each call is found by provenance (region.py): one connected region per layer, whose inputs must be
-the two queries [B, T, H, *], the gathered entries kv [B, S, D] and the mask visible [B, T, S], where
-kv is a gather of one layer's cache by slot (`cache[layer][slots]`). The scale is the region's one
+the two queries [B, T, H, *], kv_b_proj's weight [H * (dn + dv), r], the gathered entries kv [B, S, D]
+and the mask visible [B, T, S], where kv is a gather of one layer's cache by slot
+(`cache[layer][slots]`). The op also takes the absorbed products, each head's query rows into the
+latent space and its output out of it, which Inductor otherwise runs as two loops a layer on one
+thread. The scale is the region's one
 multiplication by a number. The region and the op run on seeded probe inputs under both assignments
 of the queries; the region is replaced only where exactly one agrees. Anything else leaves the
 region as it was, with a log line.
@@ -37,14 +40,16 @@ class LiveAttention(RegionPass):
     traced = latent_attention
     op_name = "live_attention"
     native = True
-    arity = (4, 1)
+    arity = (5, 1)
 
     def roles(
         self, region: set[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]
     ) -> tuple[list, list[fx.Node]]:
-        """(q_latent, q_pe, cache, slots, visible, scale) -> out, the queries told apart on probes."""
-        queries, (kv,), (visible,) = by_signature(
-            inputs, {(4, True): 2, (3, True): 1, (3, False): 1}, "inputs (q_latent, q_pe, kv, visible)"
+        """(q_nope, q_pe, kv_b, cache, slots, visible, scale) -> out, the queries told apart on probes."""
+        queries, (kv_b,), (kv,), (visible,) = by_signature(
+            inputs,
+            {(4, True): 2, (2, True): 1, (3, True): 1, (3, False): 1},
+            "inputs (q_nope, q_pe, kv_b, kv, visible)",
         )
         cache, index = kv.args if kv.target is aten.index.Tensor else (None, ())
         if not (
@@ -60,21 +65,27 @@ class LiveAttention(RegionPass):
         values, scale = _probe_values(inputs, visible), scales[0]
 
         def agreement(run: Region, q: list[fx.Node]) -> float:
-            return self._agreement(run, values, [*q, kv, visible], scale)
+            return self._agreement(run, values, [*q, kv_b, kv, visible], scale)
 
-        q_latent, q_pe = one_agreeing(inputs, outputs, [queries, queries[::-1]], agreement)
-        return [q_latent, q_pe, cache, index[0], visible, scale], outputs
+        q_nope, q_pe = one_agreeing(inputs, outputs, [queries, queries[::-1]], agreement)
+        return [q_nope, q_pe, kv_b, cache, index[0], visible, scale], outputs
 
     def _agreement(
         self, region: Region, values: dict[fx.Node, torch.Tensor], roles: list[fx.Node], scale: float
     ) -> float:
-        """1 if the op, given `roles` (q_latent, q_pe, kv, visible), computes the region's output, else 0."""
+        """1 if the op, given `roles` (q_nope, q_pe, kv_b, kv, visible), computes the region's output,
+        else 0."""
         (expected,) = region(list(values), list(values.values()))
-        q_latent, q_pe, kv, visible = (values[n] for n in roles)
-        # The op's checks are the same under either assignment of the queries, so an error is never a
-        # wrong assignment: it reaches one_agreeing, which names it in the region's log line.
-        got = self.op(q_latent, q_pe, kv, torch.arange(len(kv)), visible, scale)
-        return float(got.shape == expected.shape and torch.allclose(got, expected, rtol=1e-4, atol=1e-5))
+        q_nope, q_pe, kv_b, kv, visible = (values[n] for n in roles)
+        if q_pe.shape[-1] + kv_b.shape[-1] != kv.shape[-1]:
+            return 0.0  # the queries swapped: the latent and rope widths do not add up to an entry's
+        # Otherwise the op's checks are the same under either assignment, so an error is never a wrong
+        # assignment: it reaches one_agreeing, which names it in the region's log line.
+        got = self.op(q_nope, q_pe, kv_b, kv, torch.arange(len(kv)), visible, scale)
+        # The products sum dn and r terms of random probes in another order: the rounding follows the
+        # outputs' scale (4e-5 at outputs up to 23 on the shipped model's shapes), not each output's.
+        atol = 1e-5 * max(1.0, expected.abs().max().item())
+        return float(got.shape == expected.shape and torch.allclose(got, expected, rtol=1e-4, atol=atol))
 
 
 def _probe_values(inputs: list[fx.Node], visible: fx.Node) -> dict[fx.Node, torch.Tensor]:

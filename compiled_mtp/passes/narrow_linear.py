@@ -11,8 +11,9 @@ oneDNN's packed GEMM (the packed_linear pass) 15.8 / 21.0 / 12.6 / 15.3 ms, MKL'
 So every linear of at most NARROW_ROWS rows is rewritten here, before packed_linear, which takes
 the large ones on more rows.
 
-Batched products (bmm) of at most NARROW_ROWS rows get the same rewrite: MLA's absorbed attention
-multiplies each head's rows by that head's slice of kv_b_proj, and at 4 rows Inductor leaves that to
+Batched products (bmm) of at most NARROW_ROWS rows get the same rewrite: MLA's absorbed attention,
+where live_attention's op does not take it (the pass off, a graph not in float32), multiplies each
+head's rows by that head's slice of kv_b_proj, and at 4 rows Inductor leaves that to
 MKL's bmm, which took 0.48-0.93 ms for the 8 layers of the 250m preset against 0.41-0.47 ms as a
 multiply-and-sum (a 4-row verify of the 250m preset, timed in turns: 0.2-0.9 ms faster). So do
 those of up to 16 rows on small slices (SMALL_BMM_WEIGHT elements: the shipped model's 4 x 32 x 64),

@@ -1,12 +1,15 @@
 // compiled_mtp::live_attention: the model's latent attention (models.deepseek_v3.latent_attention)
-// over the live part of each request's cache, read by slot, on CPU float32: a block of cache entries
-// is read once for every query row of a request (the heads and the K+1 rows share the latent
-// entries), the scores, softmax and weighted sum of each row stay here, and the work splits over the
-// threads by request and by query rows. See docs/passes.md, live_attention.
+// over the live part of each request's cache, read by slot, on CPU float32: each query row is taken
+// into the latent space through its head's key half of kv_b_proj, a block of cache entries is read
+// once for every query row of a request (the heads and the K+1 rows share the latent entries), the
+// scores, softmax and weighted sum of each row stay here, and each row's output leaves through its
+// head's value half; the work splits over the threads by request and by query rows. See
+// docs/passes.md, live_attention.
 #include <cstring>
 #include <memory>
+#include <type_traits>
 
-#include "ops.h"
+#include "dots.h"
 
 namespace compiled_mtp {
 namespace {
@@ -348,66 +351,179 @@ void attend(const Queries& q, int64_t q0, int64_t q1, const float* kv, int64_t n
         for (int64_t c = 0; c < rank; c++) o[r * rank + c] *= share[r];
 }
 
-// q_latent [B, T, H, rank], q_pe [B, T, H, rope], cache [N, S, rank + rope], slots [B], visible [B, T, S]
-// -> out [B, T, H, rank]. The queries' rows are read by their strides over (B, T, H): the absorbed
-// products leave q_latent head-major, and a copy per layer would cost more than reading it in place.
-void kernel(const float* q_latent, const float* q_pe, const float* cache, const int64_t* slots,
-                       const bool* visible, float* out, int64_t batch, int64_t steps, int64_t heads, int64_t rank,
-                       int64_t rope, int64_t capacity, int64_t ql_b, int64_t ql_t, int64_t ql_h, int64_t qp_b,
-                       int64_t qp_t, int64_t qp_h, float scale, int64_t threads) {
-    const int64_t width = rank + rope, rows = steps * heads;
-    std::vector<int64_t> live(batch, 0);  // entries up to the last one any row of the request sees
-    for (int64_t b = 0; b < batch; b++)
-        for (int64_t t = 0; t < steps; t++)
-            live[b] = std::max(live[b], visible_prefix(visible + (b * steps + t) * capacity, capacity));
-    // A request's rows split into enough chunks for every thread to have one.
-    const int64_t splits = std::min(rows, std::max<int64_t>(1, (threads + batch - 1) / batch));
-    const int64_t chunk = (rows + splits - 1) / splits, chunks = (rows + chunk - 1) / chunk;
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t item = 0; item < batch * chunks; item++) {
-        const int64_t b = item / chunks, q0 = (item % chunks) * chunk, q1 = std::min(q0 + chunk, rows), n = live[b];
-        float* o = out + (b * rows + q0) * rank;
-        // Nothing visible to any row: NaN, as traced; else the weighted sum accumulates from zero.
-        std::fill(o, o + (q1 - q0) * rank, n ? 0.f : std::numeric_limits<float>::quiet_NaN());
-        if (n == 0) continue;
-        const Queries q{q_latent + b * ql_b, q_pe + b * qp_b, ql_t, ql_h, qp_t, qp_h, heads};
-        attend(q, q0, q1, cache + slots[b] * capacity * width, n, visible + b * steps * capacity, capacity, rank, rope, scale, o);
+// Rows [0, R) of one head's queries taken into the latent space, V vectors of outputs from c0 on:
+// latent[r][c] = the sum over d of qn[r][d] * wk[d][c], each weight vector loaded once for the R rows.
+template <int R, int V, typename W>
+void absorb_block(const float* const* qn, const W* wk, int64_t dn, int64_t rank, int64_t c0, float* const* latent) {
+    Vec acc[R][V];
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < V; v++) acc[r][v] = Vec(0.f);
+    for (int64_t d = 0; d < dn; d++) {
+        Vec w[V];
+        for (int v = 0; v < V; v++) w[v] = load_weights(wk + d * rank + c0 + v * LANES);
+        for (int r = 0; r < R; r++) {
+            const Vec x(qn[r][d]);
+            for (int v = 0; v < V; v++) acc[r][v] = at::vec::fmadd(x, w[v], acc[r][v]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < V; v++) acc[r][v].store(latent[r] + c0 + v * LANES);
+}
+
+// Every column of rows [0, R)'s latent queries.
+template <int R, typename W>
+void absorb(const float* const* qn, const W* wk, int64_t dn, int64_t rank, float* const* latent) {
+    const int64_t whole = rank - rank % LANES;
+    int64_t c = 0;
+    for (; c + WIDE * LANES <= whole; c += WIDE * LANES) absorb_block<R, WIDE>(qn, wk, dn, rank, c, latent);
+    for (; c < whole; c += LANES) absorb_block<R, 1>(qn, wk, dn, rank, c, latent);
+    for (int r = 0; r < R; r++)
+        for (int64_t col = whole; col < rank; col++) {
+            float sum = 0.f;
+            for (int64_t d = 0; d < dn; d++) sum += qn[r][d] * weight_at(wk, d * rank + col);
+            latent[r][col] = sum;
+        }
+}
+
+template <int R, typename W>
+void absorb_any(int64_t rows, const float* const* qn, const W* wk, int64_t dn, int64_t rank, float* const* latent) {
+    if (rows == R) absorb<R>(qn, wk, dn, rank, latent);
+    else if constexpr (R > 1) absorb_any<R - 1>(rows, qn, wk, dn, rank, latent);
+}
+
+// Each head's query rows among [q0, q1) (row q is head q % heads), DOT_ROWS at a time: fn(head, the
+// rows, their count). The rows of a head share its slice of kv_b_proj.
+template <typename Fn>
+void by_head(int64_t q0, int64_t q1, int64_t heads, Fn fn) {
+    for (int64_t h = 0; h < heads; h++) {
+        int64_t rows[DOT_ROWS], count = 0;
+        for (int64_t q = q0 + ((h - q0) % heads + heads) % heads; q < q1; q += heads) {
+            rows[count++] = q;
+            if (count == DOT_ROWS) fn(h, rows, count), count = 0;
+        }
+        if (count > 0) fn(h, rows, count);
     }
 }
 
-at::Tensor live_attention(const at::Tensor& q_latent_in, const at::Tensor& q_pe_in, const at::Tensor& cache,
-                          const at::Tensor& slots_in, const at::Tensor& visible_in, double scale) {
+// A call's shapes and where its tensors are.
+template <typename W>
+struct Call {
+    const float *q_nope, *q_pe, *cache;
+    const W* kv_b;  // [heads, dn + dv, rank]: each head's key rows, then its value rows
+    const int64_t* slots;
+    const bool* visible;
+    float* out;
+    int64_t batch, steps, heads, dn, dv, rank, rope, capacity;
+    int64_t qn_b, qn_t, qn_h, qp_b, qp_t, qp_h;  // the queries' strides
+    float scale;
+};
+
+// Request b's query rows [q0, q1): into the latent space, their attention over its n live entries,
+// and out through the value half, into out [B, T, H, dv].
+template <typename W>
+void attend_rows(const Call<W>& a, int64_t b, int64_t q0, int64_t q1, int64_t n) {
+    const int64_t rows = a.steps * a.heads, rank = a.rank, part = (a.dn + a.dv) * rank;
+    float* out = a.out + b * rows * a.dv;
+    if (n == 0) {  // nothing visible to any row: NaN, as traced
+        std::fill(out + q0 * a.dv, out + q1 * a.dv, std::numeric_limits<float>::quiet_NaN());
+        return;
+    }
+    const std::unique_ptr<float[]> latent(new float[rows * rank]);  // rows [q0, q1) written
+    by_head(q0, q1, a.heads, [&](int64_t h, const int64_t* qs, int64_t count) {
+        const float* qn[DOT_ROWS];
+        float* to[DOT_ROWS];
+        for (int64_t i = 0; i < count; i++) {
+            qn[i] = a.q_nope + b * a.qn_b + qs[i] / a.heads * a.qn_t + h * a.qn_h;
+            to[i] = latent.get() + qs[i] * rank;
+        }
+        absorb_any<DOT_ROWS>(count, qn, a.kv_b + h * part, a.dn, rank, to);
+    });
+    const Queries q{latent.get(), a.q_pe + b * a.qp_b, a.heads * rank, rank, a.qp_t, a.qp_h, a.heads};
+    std::vector<float> o((q1 - q0) * rank, 0.f);  // the weighted sums accumulate from zero
+    attend(q, q0, q1, a.cache + a.slots[b] * a.capacity * (rank + a.rope), n, a.visible + b * a.steps * a.capacity,
+           a.capacity, rank, a.rope, a.scale, o.data());
+    by_head(q0, q1, a.heads, [&](int64_t h, const int64_t* qs, int64_t count) {
+        const float* x[DOT_ROWS];
+        for (int64_t i = 0; i < count; i++) x[i] = o.data() + (qs[i] - q0) * rank;
+        const W* values = a.kv_b + h * part + a.dn * rank;
+        for (int64_t j = 0; j < a.dv; j += O) {
+            const W* w[O];
+            for (int k = 0; k < O; k++) w[k] = values + std::min(j + k, a.dv - 1) * rank;
+            float sums[DOT_ROWS][O];
+            dots_any<DOT_ROWS>(count, x, w, rank, sums);
+            for (int64_t i = 0; i < count; i++)
+                for (int k = 0; k < O && j + k < a.dv; k++) out[qs[i] * a.dv + j + k] = sums[i][k];
+        }
+    });
+}
+
+template <typename W>
+void kernel(const Call<W>& a, int64_t threads) {
+    const int64_t rows = a.steps * a.heads;
+    std::vector<int64_t> live(a.batch, 0);  // entries up to the last one any row of the request sees
+    for (int64_t b = 0; b < a.batch; b++)
+        for (int64_t t = 0; t < a.steps; t++)
+            live[b] = std::max(live[b], visible_prefix(a.visible + (b * a.steps + t) * a.capacity, a.capacity));
+    // A request's rows split into enough chunks for every thread to have one.
+    const int64_t splits = std::min(rows, std::max<int64_t>(1, (threads + a.batch - 1) / a.batch));
+    const int64_t chunk = (rows + splits - 1) / splits, chunks = (rows + chunk - 1) / chunk;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t item = 0; item < a.batch * chunks; item++) {
+        const int64_t b = item / chunks, q0 = (item % chunks) * chunk;
+        attend_rows(a, b, q0, std::min(q0 + chunk, rows), live[b]);
+    }
+}
+
+// The queries' rows are read in place by their strides over (B, T, H): a copy per layer would cost
+// more than reading them there.
+at::Tensor rows_in_place(const at::Tensor& t) { return t.stride(3) == 1 ? t : t.contiguous(); }
+
+// q_nope [B, T, H, dn], q_pe [B, T, H, rope], kv_b [H * (dn + dv), rank] (float32, or the bfloat16 copy
+// of a weight of bfloat16 values that the bfloat16_reads pass hands the op), cache [N, S, rank + rope],
+// slots [B], visible [B, T, S] -> out [B, T, H, dv].
+at::Tensor live_attention(const at::Tensor& q_nope_in, const at::Tensor& q_pe_in, const at::Tensor& kv_b,
+                          const at::Tensor& cache, const at::Tensor& slots_in, const at::Tensor& visible_in, double scale) {
     const char* op = "live_attention";
-    check(q_latent_in, op, "q_latent", at::kFloat, 4);
+    check(q_nope_in, op, "q_nope", at::kFloat, 4);
     check(q_pe_in, op, "q_pe", at::kFloat, 4);
+    check(kv_b, op, "kv_b", kv_b.scalar_type() == at::kBFloat16 ? at::kBFloat16 : at::kFloat, 2, true);
     check(cache, op, "cache", at::kFloat, 3, true);
     check(slots_in, op, "slots", at::kLong, 1);
     check(visible_in, op, "visible", at::kBool, 3);
-    const int64_t batch = q_latent_in.size(0), steps = q_latent_in.size(1), heads = q_latent_in.size(2);
-    const int64_t rank = q_latent_in.size(3), rope = q_pe_in.size(3), capacity = cache.size(1);
-    TORCH_CHECK(cache.size(2) == rank + rope, op, ": cache entries have ", cache.size(2), " values, the queries ", rank, " + ", rope);
-    TORCH_CHECK(q_pe_in.size(0) == batch && q_pe_in.size(1) == steps && q_pe_in.size(2) == heads, op, ": q_pe ", q_pe_in.sizes(), " does not match q_latent ", q_latent_in.sizes());
+    const int64_t batch = q_nope_in.size(0), steps = q_nope_in.size(1), heads = q_nope_in.size(2), dn = q_nope_in.size(3);
+    const int64_t rope = q_pe_in.size(3), capacity = cache.size(1), rank = cache.size(2) - rope;
+    TORCH_CHECK(rank >= 1, op, ": cache entries have ", cache.size(2), " values, not more than q_pe's ", rope);
+    TORCH_CHECK(heads >= 1 && kv_b.size(0) % heads == 0 && kv_b.size(0) / heads > dn && kv_b.size(1) == rank, op,
+                ": kv_b must be [", heads, " x (", dn, " + v), ", rank, "], got ", kv_b.sizes());
+    TORCH_CHECK(q_pe_in.size(0) == batch && q_pe_in.size(1) == steps && q_pe_in.size(2) == heads, op, ": q_pe ", q_pe_in.sizes(), " does not match q_nope ", q_nope_in.sizes());
     TORCH_CHECK(slots_in.size(0) == batch, op, ": ", slots_in.size(0), " slots for ", batch, " requests");
     TORCH_CHECK(visible_in.sizes() == at::IntArrayRef({batch, steps, capacity}), op, ": visible must be ", at::IntArrayRef({batch, steps, capacity}), ", got ", visible_in.sizes());
-    // The absorbed products leave q_latent head-major: its rows are read by their strides.
-    const at::Tensor q_latent = q_latent_in.stride(3) == 1 ? q_latent_in : q_latent_in.contiguous();
-    const at::Tensor q_pe = q_pe_in.stride(3) == 1 ? q_pe_in : q_pe_in.contiguous();
+    const at::Tensor q_nope = rows_in_place(q_nope_in), q_pe = rows_in_place(q_pe_in);
     const at::Tensor slots = slots_in.contiguous(), visible = visible_in.contiguous();
-    at::Tensor out = at::empty(q_latent.sizes(), q_latent.options());
-    kernel(q_latent.data_ptr<float>(), q_pe.data_ptr<float>(), cache.data_ptr<float>(), slots.data_ptr<int64_t>(),
-           visible.data_ptr<bool>(), out.data_ptr<float>(), batch, steps, heads, rank, rope, capacity,
-           q_latent.stride(0), q_latent.stride(1), q_latent.stride(2), q_pe.stride(0), q_pe.stride(1), q_pe.stride(2),
-           static_cast<float>(scale), at::get_num_threads());
+    const int64_t dv = kv_b.size(0) / heads - dn;
+    at::Tensor out = at::empty({batch, steps, heads, dv}, q_nope.options());
+    const auto call = [&](const auto* w) {
+        const Call<std::remove_const_t<std::remove_pointer_t<decltype(w)>>> a{
+            q_nope.data_ptr<float>(), q_pe.data_ptr<float>(), cache.data_ptr<float>(), w, slots.data_ptr<int64_t>(),
+            visible.data_ptr<bool>(), out.data_ptr<float>(), batch, steps, heads, dn, dv, rank, rope, capacity,
+            q_nope.stride(0), q_nope.stride(1), q_nope.stride(2), q_pe.stride(0), q_pe.stride(1), q_pe.stride(2),
+            static_cast<float>(scale)};
+        kernel(a, at::get_num_threads());
+    };
+    if (kv_b.scalar_type() == at::kBFloat16) call(reinterpret_cast<const uint16_t*>(kv_b.data_ptr()));
+    else call(kv_b.data_ptr<float>());
     return out;
 }
 
-at::Tensor live_attention_meta(const at::Tensor& q_latent, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double) {
-    return at::empty(q_latent.sizes(), q_latent.options());
+at::Tensor live_attention_meta(const at::Tensor& q_nope, const at::Tensor&, const at::Tensor& kv_b, const at::Tensor&,
+                               const at::Tensor&, const at::Tensor&, double) {
+    const int64_t heads = q_nope.size(2);
+    return at::empty({q_nope.size(0), q_nope.size(1), heads, kv_b.size(0) / heads - q_nope.size(3)}, q_nope.options());
 }
 
 }  // namespace
 
 COMPILED_MTP_OP(live_attention,
-                "(Tensor q_latent, Tensor q_pe, Tensor cache, Tensor slots, Tensor visible, float scale) -> Tensor")
+                "(Tensor q_nope, Tensor q_pe, Tensor kv_b, Tensor cache, Tensor slots, Tensor visible, float scale) -> Tensor")
 
 }  // namespace compiled_mtp

@@ -6,67 +6,15 @@
 // float32, or bfloat16 (the copies of weights of bfloat16 values that the bfloat16_reads pass hands
 // the op: half the bytes, widened as loaded, so the products are the float32 ones bit for bit). See
 // docs/passes.md.
-#include <c10/util/BFloat16.h>
 #include <omp.h>
 
+#include "dots.h"
 #include "panels.h"
 
 namespace compiled_mtp {
 namespace {
-constexpr int64_t MAX_ROWS = 4;  // rows multiplied together: 4 rows x 4 weight rows of accumulators
 constexpr int64_t GATE_BLOCK = 64;  // rows of an expert's gate and up weights per work item
 constexpr int64_t DOWN_BLOCK = 64;  // rows of the down weights (outputs) per work item
-constexpr int64_t PREFETCH = 2048;  // floats ahead in the weight rows being read
-constexpr int O = 4;  // weight rows per dot block
-
-// A vector of weights, from float32 or widened from bfloat16 (its 16 bits are a float32's upper half).
-static inline Vec load_weights(const float* p) { return Vec::loadu(p); }
-static inline Vec load_weights(const uint16_t* p) {
-#if defined(CPU_CAPABILITY_AVX512)
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-#elif defined(CPU_CAPABILITY_AVX2)
-    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-#else
-    float lanes[Vec::size()];
-    for (int64_t i = 0; i < Vec::size(); i++) lanes[i] = c10::detail::f32_from_bits(p[i]);
-    return Vec::loadu(lanes);
-#endif
-}
-static inline float weight_at(const float* p, int64_t c) { return p[c]; }
-static inline float weight_at(const uint16_t* p, int64_t c) { return c10::detail::f32_from_bits(p[c]); }
-
-// Dot products of R input rows with O = 4 weight rows, length k: sums[r][o]. Each vector of a weight
-// row meets all R inputs, so at 4 rows the multiply-adds, not the loads, set the pace; the 4 sums of
-// a row are reduced together (sum_each), which costs a third of reducing each on its own.
-template <int R, typename W>
-static inline void dots(const float* const* xr, const W* const* w, int64_t k, float sums[][O]) {
-    const int64_t vk = k - k % Vec::size();
-    Vec acc[R][O];
-    for (int r = 0; r < R; r++) for (int o = 0; o < O; o++) acc[r][o] = Vec(0.f);
-    for (int64_t c = 0; c < vk; c += Vec::size()) {
-        Vec ws[O];
-        for (int o = 0; o < O; o++) {
-            __builtin_prefetch(w[o] + c + PREFETCH, 0, 1);  // never faults, also past the end
-            ws[o] = load_weights(w[o] + c);
-        }
-        for (int r = 0; r < R; r++) {
-            const Vec xs = Vec::loadu(xr[r] + c);
-            for (int o = 0; o < O; o++) acc[r][o] = at::vec::fmadd(xs, ws[o], acc[r][o]);
-        }
-    }
-    for (int r = 0; r < R; r++) {
-        sum_each<O>(acc[r], sums[r]);
-        for (int64_t c = vk; c < k; c++) for (int o = 0; o < O; o++) sums[r][o] += xr[r][c] * weight_at(w[o], c);
-    }
-}
-
-template <int R, typename W>
-static void dots_any(int64_t rows, const float* const* xr, const W* const* w, int64_t k, float sums[][O]) {
-    if (rows == R) dots<R>(xr, w, k, sums);
-    else if constexpr (R > 1) dots_any<R - 1>(rows, xr, w, k, sums);
-}
 
 // act[i] = silu(act[i]) * up[i] for i in [0, n), vectorised (the exponentials dominate otherwise).
 static void silu_mul(float* act, const float* up, int64_t n) {
@@ -78,10 +26,10 @@ static void silu_mul(float* act, const float* up, int64_t n) {
     for (; i < n; i++) act[i] = act[i] / (1.f + std::exp(-act[i])) * up[i];
 }
 
-// The (row, slot) pairs routed to one expert, MAX_ROWS at a time: fn(pair index p0, rows).
+// The (row, slot) pairs routed to one expert, DOT_ROWS at a time: fn(pair index p0, rows).
 template <typename Fn>
 static inline void row_groups(const std::vector<int64_t>& ps, Fn fn) {
-    for (size_t p0 = 0; p0 < ps.size(); p0 += MAX_ROWS) fn(p0, std::min<int64_t>(MAX_ROWS, ps.size() - p0));
+    for (size_t p0 = 0; p0 < ps.size(); p0 += DOT_ROWS) fn(p0, std::min<int64_t>(DOT_ROWS, ps.size() - p0));
 }
 
 // x [n, h], idx / weight [n, k], gate / up [e, inter, h], down [e, h, inter] -> out [n, h]
@@ -116,10 +64,10 @@ void kernel(const float* x, const int64_t* idx, const float* weight, const W* ga
                 const W* w[O] = {gate + (ex * inter + i) * h, gate + (ex * inter + i2) * h,
                                      up + (ex * inter + i) * h, up + (ex * inter + i2) * h};
                 row_groups(ps, [&](size_t p0, int64_t rows) {
-                    const float* xr[MAX_ROWS];
+                    const float* xr[DOT_ROWS];
                     for (int64_t r = 0; r < rows; r++) xr[r] = x + ps[p0 + r] / k * h;
-                    float s[MAX_ROWS][O];
-                    dots_any<MAX_ROWS>(rows, xr, w, h, s);
+                    float s[DOT_ROWS][O];
+                    dots_any<DOT_ROWS>(rows, xr, w, h, s);
                     for (int64_t r = 0; r < rows; r++) {
                         const int64_t at = ps[p0 + r] * inter;
                         act[at + i] = s[r][0], act[at + i2] = s[r][1];
@@ -139,10 +87,10 @@ void kernel(const float* x, const int64_t* idx, const float* weight, const W* ga
                     const W* w[O];
                     for (int o = 0; o < O; o++) w[o] = down + (ex * h + std::min(j + o, j1 - 1)) * inter;
                     row_groups(ps, [&](size_t p0, int64_t rows) {
-                        const float* ar[MAX_ROWS];
+                        const float* ar[DOT_ROWS];
                         for (int64_t r = 0; r < rows; r++) ar[r] = act.data() + ps[p0 + r] * inter;
-                        float s[MAX_ROWS][O];
-                        dots_any<MAX_ROWS>(rows, ar, w, inter, s);
+                        float s[DOT_ROWS][O];
+                        dots_any<DOT_ROWS>(rows, ar, w, inter, s);
                         for (int64_t r = 0; r < rows; r++) {
                             const int64_t p = ps[p0 + r];
                             for (int o = 0; o < O && j + o < j1; o++) out[p / k * h + j + o] += weight[p] * s[r][o];

@@ -16,7 +16,7 @@ the warm-up, then 5 rounds) T times, where the rounds of one long run judge a po
 settled. The ratios are then also given trial by trial.
 
     python benchmarks/auto_commits.py 392d5b5~1 [--batch 4] [--rounds 20] [--trials 1] [--timed-prompts 8]
-        [--cache-dir DIR] [--depths 0 1 2 3]
+        [--cache-dir DIR] [--depths 0 1 2 3] [--bfloat16-mlps]
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from auto_trace import BenchSystems, add_system_arguments, warm_up
 
 from compiled_mtp.bench import timed_generate, turns
 from compiled_mtp.depth_policy import DepthPolicy
+from compiled_mtp.ops import library
 from compiled_mtp.runtime import Runtime, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,6 +82,7 @@ def main() -> None:
     add_system_arguments(parser, rounds=20)
     parser.add_argument("--trials", type=int, default=1, help="times the rounds run, each auto afresh")
     args = parser.parse_args()
+    library.apply_bfloat16_option(args)
     systems = BenchSystems(args.batch, args.timed_prompts, args.cache_dir, args.depths)
     runtimes = {**systems.runtimes(), **autos_at(systems, args.revs)}
     groups, params = systems.groups, systems.params

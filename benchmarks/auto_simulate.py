@@ -16,7 +16,8 @@ them only: the bench's runtimes warm up on a round, 8 batches at B=1 and 2 at B=
 one). Each step's time is off its cost by up to +-`--noise`, and scaled by a machine speed that wanders
 by `--drift` a millisecond (this machine's memory speed moves by half within a fraction of a second;
 every system meets the same wandering, drawn from the seed); the mean over `--seeds` seeds is printed
-against the best fixed depth's. With `--trace`, acceptance is replayed from the real held-out
+against the best fixed depth's, then how many seeds' runs came below `--low` times the best fixed
+depth on the same seed, and the worst such ratio. With `--trace`, acceptance is replayed from the real held-out
 generations instead (benchmarks/acceptance_trace.py): each seed serves every traced request, B at a time
 in a seeded order, and each step accepts what a step from that point of that text accepts, so a
 request's acceptance rises and falls as its text does. SIMULATED: no catch-up runs, and the costs do not
@@ -87,6 +88,9 @@ def main() -> None:
         "--warm-up", type=int, default=1 << 30, help="batches served untimed first (default: all)"
     )
     parser.add_argument("--trace", type=Path, help="replay the acceptance of acceptance_trace.py's JSON")
+    parser.add_argument(
+        "--low", type=float, default=0.93, help="count the seeds below this ratio (default: 0.93)"
+    )
     args = parser.parse_args()
     costs = step_costs(args.bench)
     trace = None
@@ -102,14 +106,15 @@ def main() -> None:
     policies += [(f"{name}={value:g}", DepthPolicy, {name: value}) for name, value in args.setting]
     policies += [(f"at {rev}", policy_at(rev), {}) for rev in args.rev]
 
-    def mean(
+    def per_seed(
         batch: int,
         depths: dict[int, float],
         machine: tuple[float, float],
         policy: type[DepthPolicy] = DepthPolicy,
         **settings: float,
-    ) -> float:
-        runs = [
+    ) -> list[float]:
+        """tok/s of each seed's run."""
+        return [
             simulate(
                 batch,
                 depths,
@@ -122,19 +127,26 @@ def main() -> None:
                 trace=trace,
                 switch=args.switch,
                 **settings,
-            )
+            )["tok_s"]
             for s in range(args.seeds)
         ]
-        return statistics.mean(r["tok_s"] for r in runs)
 
     for batch, cost in sorted(costs.items()):
         for machine in itertools.product(args.noise, args.drift):
-            fixed = {k: mean(batch, {k: ms}, machine) for k, ms in cost.items()}
-            best = max(fixed, key=fixed.__getitem__)
+            fixed = {k: per_seed(batch, {k: ms}, machine) for k, ms in cost.items()}
+            best = max(fixed, key=lambda k: statistics.mean(fixed[k]))
             line = f"B={batch} noise {machine[0]:.0%} drift {machine[1]:g}: "
-            line += f"best fixed K={best} {fixed[best]:.0f} tok/s; auto"
+            line += f"best fixed K={best} {statistics.mean(fixed[best]):.0f} tok/s; auto"
+            # Each seed's run against the best fixed depth on the same seed (the same requests, the
+            # same machine): the runs a policy loses most in, where one mean hides them.
+            seed_best = [max(runs) for runs in zip(*fixed.values())]
             for name, policy, settings in policies:
-                line += f"  {name} {mean(batch, cost, machine, policy, **settings) / fixed[best]:.3f}x"
+                runs = per_seed(batch, cost, machine, policy, **settings)
+                ratios = [run / top for run, top in zip(runs, seed_best)]
+                line += f"  {name} {statistics.mean(runs) / statistics.mean(fixed[best]):.3f}x"
+                line += (
+                    f" ({sum(r < args.low for r in ratios)} below {args.low:g}x, worst {min(ratios):.2f}x)"
+                )
             print(line, flush=True)
 
 

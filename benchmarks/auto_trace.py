@@ -154,7 +154,7 @@ def switch_costs(
 
 def add_system_arguments(parser: argparse.ArgumentParser, rounds: int) -> None:
     """The options of the scripts that run BenchSystems in turns: --batch, --rounds (default `rounds`),
-    --timed-prompts, --cache-dir and --depths."""
+    --timed-prompts, --cache-dir, --depths and --bfloat16-mlps (library.apply_bfloat16_option)."""
     parser.add_argument("--batch", type=int, default=4, help="prompts generated at once (default: 4)")
     parser.add_argument(
         "--rounds", type=int, default=rounds, help=f"timed rounds in turns (default: {rounds})"
@@ -170,6 +170,7 @@ def add_system_arguments(parser: argparse.ArgumentParser, rounds: int) -> None:
         default=[0, 1, 2, 3],
         help="fixed depths, and auto's (default: 0 1 2 3)",
     )
+    library.add_bfloat16_option(parser)
 
 
 def main() -> None:
@@ -182,7 +183,6 @@ def main() -> None:
         metavar=("HELD", "PROBE"),
         help="then time steps after a change of depth: 14 at HELD, 2 at PROBE, repeated",
     )
-    library.add_bfloat16_option(parser)
     args = parser.parse_args()
     library.apply_bfloat16_option(args)
     systems = BenchSystems(args.batch, args.timed_prompts, args.cache_dir, args.depths)

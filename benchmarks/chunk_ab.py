@@ -31,7 +31,6 @@ def main() -> None:
     parser.add_argument("a", type=int, metavar="A", help="the first min_chunk_size (Inductor's default: 512)")
     parser.add_argument("b", type=int, metavar="B", help="the second")
     add_system_arguments(parser, rounds=8)
-    library.add_bfloat16_option(parser)
     args = parser.parse_args()
     library.apply_bfloat16_option(args)
     systems = BenchSystems(args.batch, args.timed_prompts, args.cache_dir, args.depths)

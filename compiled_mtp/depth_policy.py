@@ -73,6 +73,18 @@ margin a change needs: where depths nearly tie with K=0 a step (B=4 here), one f
 would have them probed every 16 steps, a catch-up each.
 Of the depths due, the most valuable runs first.
 
+A cost taken from few timings may itself be one slow moment's: a depth timed once at 1.3x its true
+cost, far enough behind to be spaced by the loss rule below, waited 400-2000 steps for its next
+probe, and a runtime could hold the wrong depth for all of a bench's rounds. So while fewer than
+cost_window timings make the cost of a depth more than `close` behind, it is also probed at the near
+ties' doubled cadence where it would beat the current depth by the margin a change needs at the
+cheapest cost those timings allow: `spread` (25%) below one timing, spread / sqrt(n) below the
+median of n. Each such probe adds a timing, until the cost is settled or the hope fails: a depth
+that truly loses stops after one to three. Simulated on two bench runs' step times, each step off
+its cost by up to 20%, at B = 1, 4 and 8 over 32 seeds each, auto's runs below 0.93x the best fixed
+depth on the same seed went from 31 to 19 of 384 (benchmarks/README.md, "Hope for a depth timed on
+few steps").
+
 A probe of a depth far behind costs more: its steps take longer than the current depth would for the
 same tokens. So does any probe across depth 0, near tie or not: leaving depth 0 first runs the MTP
 catch-up (whose time the runtime reports), and so does the first step back at K > 0 after a probe of
@@ -155,6 +167,7 @@ class DepthPolicy:
         probe_steps: int = 2,
         recheck_every: int = 4,
         backoff: int = 3,
+        spread: float = 0.25,
     ) -> None:
         self.depths = tuple(sorted(depths))
         self.request_alpha = request_alpha
@@ -170,6 +183,7 @@ class DepthPolicy:
         self.probe_steps = probe_steps
         self.recheck_every = recheck_every
         self.backoff = backoff
+        self.spread = spread
         self.current = self.depths[-1]  # the depth held by the bucket of the last choice
         self._held_by: dict[int, int] = {}  # the depth each bucket holds
         self._soonest = min(close_probe_every, probe_every)  # no depth is probed sooner
@@ -397,8 +411,8 @@ class DepthPolicy:
         """The bucket's step after which a probe of depth k is due (at the shortest wait when that
         has not passed yet, without working out which wait applies). The `near` depths take turns:
         each is probed every close_probe_every steps times their number, doubled for each probe it
-        lost in a row (up to `backoff` times). A depth whose last timing would win waits the doubled
-        close_probe_every alone."""
+        lost in a row (up to `backoff` times). A depth that would win at its last timing, or at a cost
+        its few timings allow (_hopes), waits the doubled close_probe_every alone."""
         measured = self._measured_at[bucket, k]
         if self._steps[bucket] - measured <= self._soonest:
             return measured + self._soonest
@@ -408,9 +422,20 @@ class DepthPolicy:
         # Across depth 0 a probe runs a catch-up: worth it where its last timing would change the
         # depth, not merely beat the current one.
         needed = self._margin(k) if 0 in (k, self.current) else 0.0
-        if last > value[self.current] * (1 + needed):
-            every = min(every, soon)  # its last timing alone would win
+        if last > value[self.current] * (1 + needed) or self._hopes(bucket, k, value):
+            every = min(every, soon)  # its last timing alone, or a cost its few timings allow, would win
         return measured + every
+
+    def _hopes(self, bucket: int, k: int, value: dict[int, float]) -> bool:
+        """Whether depth k, more than `close` behind the current depth while fewer than cost_window
+        timings make its cost, would beat it by the margin a change needs at the cheapest cost those
+        timings allow: `spread` below one timing, spread / sqrt(n) below the median of n. Not a closer
+        depth: a near tie takes its turns anyway, and one across depth 0 would have a probe, a
+        catch-up each, every 16 steps where the two tie."""
+        samples, current = self._samples[bucket, k], value[self.current]
+        if len(samples) >= self.cost_window or value[k] * (1 + self.close) >= current:
+            return False
+        return value[k] / (1 - self.spread / math.sqrt(len(samples))) > current * (1 + self._margin(k))
 
     def _far_every(self, bucket: int, k: int, value: dict[int, float], remaining: Sequence[int]) -> float:
         """Steps between probes of depth k, far behind the current depth or on the other side of

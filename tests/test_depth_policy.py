@@ -25,11 +25,14 @@ def test_expected_tokens_sums_the_chances_of_reaching_each_position(rates, depth
     assert expected_tokens(rates, depth) >= expected_tokens(rates, max(depth - 1, 0))
 
 
-def _measured(policy: DepthPolicy, bucket: int, costs: dict[int, float]) -> None:
+def _measured(policy: DepthPolicy, bucket: int, costs: dict[int, float], timings: int = 0) -> None:
+    """Each depth's cost timed `timings` times (default: a whole window, so that no depth is probed
+    for a cost its few timings might have put too high)."""
     for k, seconds in costs.items():
         policy.record_cost(bucket, k, 100.0)  # the first call compiles: never counted
         policy.record_cost(bucket, k, 50.0)  # the second runs on emptied caches: never counted
-        policy.record_cost(bucket, k, seconds)
+        for _ in range(timings or policy.cost_window):
+            policy.record_cost(bucket, k, seconds)
 
 
 def _served(
@@ -119,7 +122,7 @@ def test_costs_follow_the_measurements():
     second. A cost is the median of its timings, so the first probe's cannot outvote the first
     timing: the second probe's does."""
     policy = DepthPolicy((0, 2), probe_every=4, probe_most=4, close=0.0)
-    _measured(policy, 1, {0: 1.0, 2: 1.2})
+    _measured(policy, 1, {0: 1.0, 2: 1.2}, timings=1)
     true_cost = {0: 1.0, 2: 3.0}  # for 1.75 tokens at depth 2, 1 at depth 0
     chosen = _served(policy, 1, [[0.5, 0.5]], 14, lambda step, k: true_cost[k])
     assert chosen == [2] * 4 + [0] * 2 + [2] * 4 + [0] * 4  # 1.75 / 1.2 > 1 / 1.0, until 0 ran twice
@@ -132,7 +135,7 @@ def test_the_first_step_after_a_change_times_no_cost():
     (depth 1's cost the median of 1.69 and 1.3), then holds depth 1 and probes depth 0, two steps at
     a time."""
     policy = DepthPolicy((0, 1), probe_every=8, probe_most=8, close=0.0)
-    _measured(policy, 1, {0: 1.0, 1: 1.69})  # depth 1 timed at a first step
+    _measured(policy, 1, {0: 1.0, 1: 1.69}, timings=1)  # depth 1 timed at a first step
     policy.current = 0
     true_cost, last = {0: 1.0, 1: 1.3}, [0]
 
@@ -255,7 +258,7 @@ def test_a_depth_that_lost_on_a_stale_cost_is_measured_again():
     median of its timings, so the second fresh one outvotes the stale one, and the policy moves to it,
     then keeps probing the depth it left."""
     policy = DepthPolicy((0, 1), probe_every=8, probe_most=8, close=0.0)  # no near tie (next test)
-    _measured(policy, 4, {0: 10.0, 1: 2.0})
+    _measured(policy, 4, {0: 10.0, 1: 2.0}, timings=1)
     true_cost = {0: 1.0, 1: 2.0}  # 1 token for 1.0 beats 1.84 for 2.0
     chosen = _served(policy, 4, [[0.84]], 40, lambda step, k: true_cost[k])
     assert chosen[:20] == ([1] * 8 + [0] * 2) * 2  # the probes of the stale depth, 10 steps apart
@@ -269,7 +272,7 @@ def test_a_depth_behind_the_runner_up_on_a_stale_cost_is_measured_again():
     probe_every steps runs a probe, the runner-up first, and depth 2's fresh costs win at its second
     probe, when they outvote the stale one."""
     policy = DepthPolicy((1, 2, 3), margin=0.02, probe_every=8, probe_most=8, close=0.0)  # no near tie
-    _measured(policy, 4, {1: 3.0, 2: 6.0, 3: 5.0})
+    _measured(policy, 4, {1: 3.0, 2: 6.0, 3: 5.0}, timings=1)
     true_cost, rates = {1: 3.0, 2: 3.9, 3: 5.0}, [[0.84, 0.74, 0.58]]  # 1.84, 2.46 and 2.82 tokens
     chosen = _served(policy, 4, rates, 26, lambda step, k: true_cost[k])
     probes = [3, 3, 2, 2]  # the runner-up, then the stalest, two steps each
@@ -427,15 +430,25 @@ def test_a_depth_whose_last_timing_would_win_is_probed_again_soon(true_cost):
     probe_share 0.005. If it comes out at 1.5, depth 1 would win on that timing alone, but the median
     of [3.0, 1.5] does not let it: the next probe comes twice close_probe_every steps later (the
     probe it lost doubles the wait), and its timing, the second of three, moves the policy to depth 1.
-    If it comes out at 3.0 again, the loss rule spaces the next."""
+    There depth 0, whose cost rests on one timing that may be 25% high (1.33 against depth 1's 1.227
+    and the margin), is probed 16 steps later; its second timing leaves no such hope, and probe_every
+    spaces the next. If depth 1 comes out at 3.0 again, the loss rule spaces its next probe."""
     policy = DepthPolicy((0, 1), close=0.0, probe_every=64, close_probe_every=16, probe_share=0.005)
-    _measured(policy, 4, {0: 1.0, 1: 3.0})
+    _measured(policy, 4, {0: 1.0, 1: 3.0}, timings=1)
     costs = {0: 1.0, 1: true_cost}
     chosen = _served(policy, 4, [[0.84]], 700, lambda step, k: costs[k])
     probes = [step for step, k in enumerate(chosen) if k == 1]
     if true_cost < 1.84:
         assert probes[:4] == [464, 465, 498, 499]
-        assert policy.current == 1 and chosen[498:562] == [1] * 64  # until depth 0's first probe
+        assert policy.current == 1 and chosen[498:514] == [1] * 16
+        assert [step for step, k in enumerate(chosen) if k == 0 and step >= 498] == [
+            514,
+            515,
+            580,
+            581,
+            646,
+            647,
+        ]
     else:
         assert policy.current == 0 and probes == [464, 465]
 
@@ -445,11 +458,40 @@ def test_a_probe_across_depth_0_comes_soon_only_if_its_last_timing_would_change_
     within zero_margin, so it would not change the depth. A probe across depth 0 runs a catch-up,
     so the next one waits the loss rule's 221 steps (then 64, on the median of three), not 16."""
     policy = DepthPolicy((0, 1), close=0.0, probe_every=64, close_probe_every=16, probe_share=0.005)
-    _measured(policy, 4, {0: 1.0, 1: 3.0})
+    _measured(policy, 4, {0: 1.0, 1: 3.0}, timings=1)
     costs = {0: 1.0, 1: 1.786}
     chosen = _served(policy, 4, [[0.84]], 800, lambda step, k: costs[k])
     assert [step for step, k in enumerate(chosen) if k == 1] == [464, 465, 687, 688, 753, 754]
     assert policy.current == 0
+
+
+@pytest.mark.parametrize("true_cost", [1.5, 2.0])
+def test_a_depth_timed_slow_on_few_steps_is_probed_soon_while_its_spread_could_win(true_cost):
+    """Four requests at depth 0, depth 1 timed once in a slow moment at 2.0: 7.36 tokens for 2.0
+    against 4 for 1.0, 8% behind, short of the margin (4.24). Its probe from depth 0 of a batch
+    counts its whole extra cost, 2 x (2.0 - 1.0), so the loss rule alone waits 400 steps (spread=0).
+    But a cost timed once may be 25% too high (spread / sqrt(n) for the median of n timings): at 1.5
+    it would win, so it is probed at the near-tie cadence (16 steps, doubled for each probe lost)
+    until the median of three timings moves the policy to it. Where 2.0 was its true cost, the hope
+    shrinks with each timing, and after three probes the loss rule spaces the next. No depth is a
+    near tie here (close=0); with close=0.1, 8% behind is one, and it waits as without the spread."""
+    costs = {0: 1.0, 1: true_cost}
+    probes = {}
+    for spread, close in ((0.25, 0.0), (0.0, 0.0), (0.25, 0.1)):
+        policy = DepthPolicy((0, 1), close=close, probe_every=64, close_probe_every=16, spread=spread)
+        _measured(policy, 4, {0: 1.0, 1: 2.0}, timings=1)
+        chosen = []
+        for _ in range(700):
+            chosen.append(policy.choose(4, [[0.84]] * 4, [100] * 4))
+            policy.record_cost(4, chosen[-1], costs[chosen[-1]])
+        probes[spread, close] = [step for step, k in enumerate(chosen) if k == 1]
+    if true_cost == 1.5:
+        assert probes[0.25, 0.0][:5] == [16, 17, 50, 51, 52] and probes[0.25, 0.0][-1] == 699  # held from 50
+        assert probes[0.0, 0.0][:3] == [400, 401, 434]
+    else:
+        assert probes[0.25, 0.0] == [16, 17, 50, 51, 116, 117, 518, 519]
+        assert probes[0.0, 0.0] == [400, 401]
+    assert probes[0.25, 0.1][:3] == probes[0.0, 0.0][:3]  # its first probe as late
 
 
 def _serve_both(

@@ -9,19 +9,19 @@ Each (B, K) step costs the iteration time `compiled-mtp bench` measured (benchma
 time included), or the step time of a bench_preset.py JSON (`--bench preset-cuda-depths.json`); each
 draft position is accepted at the held-out rate the bench measured at its deepest depth (the shipped
 model's at K=3 from train_log.json for a JSON without acceptance), conditional on the position before,
-seeded. For each B, B requests of `--tokens` tokens run at every fixed depth and
-under DepthPolicy with each `--setting` (the defaults first) and each `--rev`'s DepthPolicy, the policy
-having served as many untimed first (a runtime's warm-up; with `--warm-up N`, the first N batches of
-them only: the bench's runtimes warm up on a round, 8 batches at B=1 and 2 at B=4; before run 32, on
-one). Each step's time is off its cost by up to +-`--noise`, and scaled by a machine speed that wanders
-by `--drift` a millisecond (this machine's memory speed moves by half within a fraction of a second;
-every system meets the same wandering, drawn from the seed); the mean over `--seeds` seeds is printed
-against the best fixed depth's, then how many seeds' runs came below `--low` times the best fixed
-depth on the same seed, and the worst such ratio. With `--trace`, acceptance is replayed from the real held-out
-generations instead (benchmarks/acceptance_trace.py): each seed serves every traced request, B at a time
-in a seeded order, and each step accepts what a step from that point of that text accepts, so a
-request's acceptance rises and falls as its text does. SIMULATED: no catch-up runs, and the costs do not
-move with the depth schedule as a real machine's do.
+seeded. For each B, B requests of `--tokens` tokens run at every fixed depth and under DepthPolicy with
+each `--setting` (the defaults first) and each `--rev`'s DepthPolicy, the policy having served as many
+untimed first (a runtime's warm-up; with `--warm-up N`, the first N batches of them only: the bench's
+runtimes warm up on a round, 8 batches at B=1 and 2 at B=4; before run 32, on one). Each step's time is
+off its cost by up to +-`--noise`, and scaled by a machine speed that wanders by `--drift` a millisecond
+(this machine's memory speed moves by half within a fraction of a second; every system meets the same
+wandering, drawn from the seed); the mean over `--seeds` seeds is printed against the best fixed
+depth's, then how many seeds' runs came below `--low` times the best fixed depth on the same seed, and
+the worst such ratio. With `--trace`, acceptance is replayed from the real held-out generations instead
+(benchmarks/acceptance_trace.py): each seed serves every traced request, B at a time in a seeded order,
+and each step accepts what a step from that point of that text accepts, so a request's acceptance rises
+and falls as its text does. SIMULATED: no catch-up runs, and the costs do not move with the depth
+schedule as a real machine's do.
 """
 
 from __future__ import annotations

@@ -25,13 +25,13 @@ def test_expected_tokens_sums_the_chances_of_reaching_each_position(rates, depth
     assert expected_tokens(rates, depth) >= expected_tokens(rates, max(depth - 1, 0))
 
 
-def _measured(policy: DepthPolicy, bucket: int, costs: dict[int, float], timings: int = 0) -> None:
+def _measured(policy: DepthPolicy, bucket: int, costs: dict[int, float], timings: int | None = None) -> None:
     """Each depth's cost timed `timings` times (default: a whole window, so that no depth is probed
     for a cost its few timings might have put too high)."""
     for k, seconds in costs.items():
         policy.record_cost(bucket, k, 100.0)  # the first call compiles: never counted
         policy.record_cost(bucket, k, 50.0)  # the second runs on emptied caches: never counted
-        for _ in range(timings or policy.cost_window):
+        for _ in range(policy.cost_window if timings is None else timings):
             policy.record_cost(bucket, k, seconds)
 
 
@@ -41,11 +41,13 @@ def _served(
     rates: list[list[float]],
     steps: int,
     seconds: Callable[[int, int], float],
+    remaining: list[int] | None = None,
 ) -> list[int]:
-    """The depths the policy chooses over `steps` steps, each timed at seconds(step, depth)."""
+    """The depths the policy chooses over `steps` steps, each timed at seconds(step, depth), for
+    requests that each still want `remaining` tokens (default: one request wanting 100)."""
     chosen = []
     for step in range(steps):
-        k = policy.choose(bucket, rates, [100])
+        k = policy.choose(bucket, rates, remaining or [100])
         chosen.append(k)
         policy.record_cost(bucket, k, seconds(step, k))
     return chosen
@@ -441,14 +443,8 @@ def test_a_depth_whose_last_timing_would_win_is_probed_again_soon(true_cost):
     if true_cost < 1.84:
         assert probes[:4] == [464, 465, 498, 499]
         assert policy.current == 1 and chosen[498:514] == [1] * 16
-        assert [step for step, k in enumerate(chosen) if k == 0 and step >= 498] == [
-            514,
-            515,
-            580,
-            581,
-            646,
-            647,
-        ]
+        depth_0_probes = [514, 515, 580, 581, 646, 647]
+        assert [step for step, k in enumerate(chosen) if k == 0 and step >= 498] == depth_0_probes
     else:
         assert policy.current == 0 and probes == [464, 465]
 
@@ -480,10 +476,7 @@ def test_a_depth_timed_slow_on_few_steps_is_probed_soon_while_its_spread_could_w
     for spread, close in ((0.25, 0.0), (0.0, 0.0), (0.25, 0.1)):
         policy = DepthPolicy((0, 1), close=close, probe_every=64, close_probe_every=16, spread=spread)
         _measured(policy, 4, {0: 1.0, 1: 2.0}, timings=1)
-        chosen = []
-        for _ in range(700):
-            chosen.append(policy.choose(4, [[0.84]] * 4, [100] * 4))
-            policy.record_cost(4, chosen[-1], costs[chosen[-1]])
+        chosen = _served(policy, 4, [[0.84]] * 4, 700, lambda step, k: costs[k], remaining=[100] * 4)
         probes[spread, close] = [step for step, k in enumerate(chosen) if k == 1]
     if true_cost == 1.5:
         assert probes[0.25, 0.0][:5] == [16, 17, 50, 51, 52] and probes[0.25, 0.0][-1] == 699  # held from 50

@@ -7,8 +7,9 @@ tokens, 64 new tokens each, `--batch` at a time (default 1) at depth --depth (or
 that have it) on the shipped model of that commit. The REVs take turns within every round, so a
 change in the machine's memory speed meets them all; a REV's figure is its best round's fastest
 generation, in ms per decode step or, with --per-token, per token decoded (what "auto" changes: its
-steps commit different numbers of tokens), beside its median round. `--bfloat16-mlps` turns on the
-bfloat16 MLP products in every process (on commits that have them).
+steps commit different numbers of tokens), beside its median round, and the Python a decode step runs
+outside its graphs (stats()["host_seconds_per_step"], where the commit has it) in its median round.
+`--bfloat16-mlps` turns on the bfloat16 MLP products in every process (on commits that have them).
 
     python benchmarks/bench_commits.py HEAD~1 HEAD [--depth 3] [--batch 1] [--rounds 3] [--draft-vocab 1024]
     python benchmarks/bench_commits.py HEAD~1 HEAD --depth auto --per-token --batch 4 --rounds 10
@@ -49,11 +50,12 @@ rt = Runtime.from_pretrained(
 )
 prompts = bench_prompts(DEFAULT_MODEL, 0, prompts, 64).token_ids
 rt.generate(prompts[:batch], PARAMS)
+getattr(rt, "reset_stats", lambda: None)()
 step_ms = []
 for first in range(0, len(prompts), batch):
     seconds, tokens, steps = decode(rt, prompts[first : first + batch])
     step_ms.append(1e3 * seconds / (tokens if per_token else steps))
-print(json.dumps(step_ms))
+print(json.dumps([step_ms, 1e6 * rt.stats().get("host_seconds_per_step", float("nan"))]))
 """
 
 
@@ -79,8 +81,10 @@ def run_child(tree: Path, child: str, argv: list[str]) -> Any:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def run(tree: Path, args: argparse.Namespace) -> list[float]:
-    """Milliseconds per decode step (or decoded token) of each batch's generation, on `tree`'s code."""
+def run(tree: Path, args: argparse.Namespace) -> tuple[list[float], float]:
+    """Milliseconds per decode step (or decoded token) of each batch's generation, on `tree`'s code,
+    and the microseconds of Python per decode step outside its graphs (nan on commits without
+    stats()["host_seconds_per_step"])."""
     argv = [
         str(args.depth),
         str(tree / ".capture"),
@@ -115,17 +119,23 @@ def main() -> None:
         run(tree, args)  # builds the graphs into the tree's own cache
         print(f"{rev} ({tree.name}): ready in {time.perf_counter() - start:.0f} s", flush=True)
     best: dict[str, list[float]] = {rev: [] for rev in trees}
+    host: dict[str, list[float]] = {rev: [] for rev in trees}
     for r in range(args.rounds):
         for rev, tree in trees.items():
-            best[rev].append(min(run(tree, args)))
+            step_ms, host_us = run(tree, args)
+            best[rev].append(min(step_ms))
+            host[rev].append(host_us)
         print(f"round {r + 1}: " + "  ".join(f"{rev} {best[rev][-1]:.3f}" for rev in trees), flush=True)
     base = min(best[args.revs[0]])
     unit = "decoded token" if args.per_token else "decode step"
-    print(f"\nms per {unit} at K={args.depth}, B={args.batch} (best of {args.rounds} rounds; median round)")
+    print(
+        f"\nms per {unit} at K={args.depth}, B={args.batch} (best of {args.rounds} rounds; median round),"
+        " and us of Python per decode step outside its graphs (median round)"
+    )
     for rev in trees:
         print(
             f"  {rev:<12} {min(best[rev]):7.3f}  ({statistics.median(best[rev]):.3f})"
-            f"  {min(best[rev]) / base:5.2f}x the first"
+            f"  {min(best[rev]) / base:5.2f}x the first   host {statistics.median(host[rev]):6.1f} us"
         )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 import operator
+import struct
 import time
 from collections import Counter, deque
 from collections.abc import Iterable, Sequence
@@ -17,7 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from .capture.cache import user_cache
@@ -110,6 +110,27 @@ class _Stats:
             self.accepted[j] += j < accepted
 
 
+class _KeptInts:
+    """A step's integer input kept across steps: the graphs read it before the next step rewrites it.
+    Written only when its values change (a batch's slots stay), and through struct: the Python between
+    a step's graphs runs on caches the graphs have just emptied, where numpy's slice write of a list
+    costs about twice as much, and a new tensor several times more."""
+
+    __slots__ = ("_buffer", "_pack", "tensor", "values")
+
+    def __init__(self, n: int) -> None:
+        self.tensor = torch.zeros(n, dtype=torch.long)
+        self.values: list[int] = []
+        self._pack = struct.Struct(f"{n}q").pack_into  # native order and size: torch.long's
+        self._buffer = memoryview(self.tensor.numpy()).cast("B")
+
+    def holding(self, values: list[int]) -> torch.Tensor:
+        if values != self.values:
+            self._pack(self._buffer, 0, *values)
+            self.values = values
+        return self.tensor
+
+
 class Runtime:
     """MTP speculative decoding over captured graphs keyed by (batch bucket, depth)."""
 
@@ -164,7 +185,7 @@ class Runtime:
         self._stats = _Stats()
         self._held: list[StepOutput] = []  # other requests' outputs from steps run by generate()
         self._greedy_noise: dict[tuple[int, int], list[torch.Tensor]] = {}  # (bucket, depth) -> uniforms
-        self._step_inputs: dict[tuple[str, int], tuple[np.ndarray, torch.Tensor]] = {}  # see _step_ints
+        self._step_inputs: dict[tuple[str, int], _KeptInts] = {}  # see _step_ints
 
     @classmethod
     def from_pretrained(
@@ -386,17 +407,14 @@ class Runtime:
         return torch.tensor(list(values), dtype=torch.long, device=self._device)
 
     def _step_ints(self, name: str, values: list[int]) -> torch.Tensor:
-        """A decode step's integer input `name` (slots, lengths): on CPU written into the tensor kept
-        for that name and length, which the step's graphs read before the next step rewrites it; a new
-        tensor each step costs more than the write (docs/design.md, "The decode loop as graphs")."""
+        """A decode step's integer input `name` (slots, lengths): on CPU the tensor kept for that name
+        and length, holding `values` (docs/design.md, "The decode loop as graphs")."""
         if self._device.type != "cpu":
             return self._tensor(values)
         kept = self._step_inputs.get((name, len(values)))
         if kept is None:
-            tensor = torch.zeros(len(values), dtype=torch.long)
-            kept = self._step_inputs[name, len(values)] = (tensor.numpy(), tensor)
-        kept[0][:] = values
-        return kept[1]
+            kept = self._step_inputs[name, len(values)] = _KeptInts(len(values))
+        return kept.holding(values)
 
     def _noise(self, reqs: Sequence[_Request], rows: int, width: int) -> torch.Tensor:
         """Uniforms [rows, width], each request's row from its own generator (greedy rows: zeros)."""

@@ -122,7 +122,7 @@ class _KeptInts:
         self.tensor = torch.zeros(n, dtype=torch.long)
         self.values: list[int] = []
         self._pack = struct.Struct(f"{n}q").pack_into  # native order and size: torch.long's
-        self._buffer = memoryview(self.tensor.numpy()).cast("B")
+        self._buffer = self.tensor.numpy().data.cast("B")
 
     def holding(self, values: list[int]) -> torch.Tensor:
         if values != self.values:
@@ -177,6 +177,11 @@ class Runtime:
         self._depth = mtp_depth
         self._policy = DepthPolicy(depths)
         self._device = model.lm_head.weight.device
+        # Read at every decode step, on caches its graphs have just emptied, where a lookup through
+        # the torch objects that hold them costs microseconds: kept as plain values.
+        self._on_cpu = self._device.type == "cpu"
+        self._bucket_of = [min(s for s in self.buckets if s >= b) for b in range(self.buckets[-1] + 1)]
+        self._lag_window, self._scratch_slot = self.state.lag_window, self.state.scratch_slot
         self._ids = itertools.count()
         self._seeds = torch.Generator().manual_seed(seed)
         self._waiting: deque[_Request] = deque()
@@ -409,7 +414,7 @@ class Runtime:
     def _step_ints(self, name: str, values: list[int]) -> torch.Tensor:
         """A decode step's integer input `name` (slots, lengths): on CPU the tensor kept for that name
         and length, holding `values` (docs/design.md, "The decode loop as graphs")."""
-        if self._device.type != "cpu":
+        if not self._on_cpu:
             return self._tensor(values)
         kept = self._step_inputs.get((name, len(values)))
         if kept is None:
@@ -466,14 +471,14 @@ class Runtime:
 
     def _decode(self, reqs: list[_Request]) -> list[StepOutput]:
         b = len(reqs)
-        bucket = next(s for s in self.buckets if s >= b)
+        bucket = self._bucket_of[b]
         k = self._choose_depth(reqs, bucket)
         plan = step_plan(bucket, k, self.depths)
         self.graphs.begin_step()
         pad = bucket - b
-        slots = self._step_ints("slots", [r.slot for r in reqs] + [self.state.scratch_slot] * pad)
+        slots = self._step_ints("slots", [r.slot for r in reqs] + [self._scratch_slot] * pad)
         lens = self._step_ints("lens", [r.seq_len for r in reqs] + [1] * pad)
-        window = self.state.lag_window
+        window = self._lag_window
         if plan.catch_up and any(r.lag for r in reqs):
             began = time.perf_counter()
             self._catch_up(plan.catch_up, reqs, slots, lens)
@@ -505,7 +510,7 @@ class Runtime:
     def _catch_up(self, key: GraphKey, reqs: list[_Request], slots: torch.Tensor, lens: torch.Tensor) -> None:
         """M over the positions depth-0 steps left it behind on: with fresh d_1 drafts (mtp_catch_up), or
         its cache entries alone (mtp_fill)."""
-        window, bucket = self.state.lag_window, key.batch
+        window, bucket = self._lag_window, key.batch
         tokens = []
         for r in reqs:
             tail = (r.out.prompt_token_ids + r.out.token_ids)[-window:]

@@ -22,10 +22,12 @@ settled. The ratios are then also given trial by trial.
 from __future__ import annotations
 
 import argparse
+import inspect
 import statistics
 import subprocess
 import types
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 from auto_trace import BenchSystems, add_system_arguments, warm_up
@@ -46,7 +48,18 @@ def policy_at(rev: str) -> type[DepthPolicy]:
     )
     module = types.ModuleType(f"depth_policy_at_{rev}")
     exec(compile(source.stdout, f"{rev}:{path}", "exec"), module.__dict__)
-    return module.DepthPolicy
+    policy: type[DepthPolicy] = module.DepthPolicy
+    if "Sequence" in inspect.signature(policy.observe).parameters["rates"].annotation:
+        return policy
+
+    class PerStep(policy):  # type: ignore[valid-type, misc]
+        """Before December 2026, observe() took one request's step: called here once a request."""
+
+        def observe(self, rates: Sequence[list[float]], depth: int, accepted: Sequence[int]) -> None:
+            for own, a in zip(rates, accepted):
+                super().observe(own, depth, a)
+
+    return PerStep
 
 
 def autos_at(systems: BenchSystems, revs: list[str]) -> dict[str, Runtime]:

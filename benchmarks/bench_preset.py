@@ -230,11 +230,10 @@ def _serve(
                 if len(depths) == 1
                 else policy.choose(batch, [own[i] for i in live], [left[i] for i in live])
             )
-            for i in live:
-                wanted, drafts = group[i]
-                accepted = drafts(1 + wanted - left[i], k)
-                left[i] -= min(left[i], accepted + 1)
-                policy.observe(own[i], k, accepted)
+            accepted = [group[i][1](1 + group[i][0] - left[i], k) for i in live]
+            for i, a in zip(live, accepted):
+                left[i] -= min(left[i], a + 1)
+            policy.observe([own[i] for i in live], k, accepted)
             moment = speed[min(int(seconds * 1e3), len(speed) - 1)]
             step = costs[k] / 1e3 * moment * (1 + noise * rng.uniform(-1, 1))
             step *= 1 + switch * (bool(chosen) and chosen[-1] != k)

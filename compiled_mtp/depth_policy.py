@@ -248,17 +248,23 @@ class DepthPolicy:
             out[k] = expected_tokens(own, k) / base[k]
         return out
 
-    def observe(self, rates: list[float], depth: int, accepted: int) -> None:
-        """One request's step at `depth` with `accepted` drafts accepted: update its rates in place and
-        the history. Positions past the first rejection were not tested and stay as they were."""
-        for j in range(min(accepted + 1, depth)):
-            hit = j < accepted
-            self._observed += 1
-            self._proposed[depth][j] += 1
-            self._accepted[depth][j] += hit
-            self._pooled[0][j] += 1
-            self._pooled[1][j] += hit
-            rates[j] += self.request_alpha * (hit - rates[j])
+    def observe(self, rates: Sequence[list[float]], depth: int, accepted: Sequence[int]) -> None:
+        """A step at `depth` in which request i accepted accepted[i] drafts: update its rates[i] in
+        place, and the history. Positions past a request's first rejection were not tested and stay
+        as they were. One call a step, not one a request: each call on the caches the step's graphs
+        have just emptied costs microseconds."""
+        alpha, proposed, hits = self.request_alpha, self._proposed[depth], self._accepted[depth]
+        pooled_proposed, pooled_hits = self._pooled
+        for own, a in zip(rates, accepted):
+            tested = min(a + 1, depth)
+            self._observed += tested
+            for j in range(tested):
+                hit = j < a
+                proposed[j] += 1
+                hits[j] += hit
+                pooled_proposed[j] += 1
+                pooled_hits[j] += hit
+                own[j] += alpha * (hit - own[j])
 
     def record_cost(self, bucket: int, depth: int, seconds: float) -> None:
         """A step's wall time. Only a step at the depth of the bucket's step before it counts: the

@@ -504,6 +504,7 @@ class Runtime:
             self._commit(r, committed_l[i][: accepted_l[i] + 1], k, accepted_l[i]) for i, r in enumerate(reqs)
         ]
         if self._depth == "auto":  # a fixed depth's steps pay for no policy's bookkeeping
+            self._policy.observe([r.rates for r in reqs], k, accepted_l)
             self._policy.record_cost(bucket, k, time.perf_counter() - start)
         return outputs
 
@@ -546,8 +547,6 @@ class Runtime:
             if depth:
                 out.accepted_per_step.append(accepted)
             self._stats.record(depth, len(emitted), counted)
-            if self._depth == "auto":
-                self._policy.observe(req.rates, depth, accepted)
         if reason is not None:
             self._finish(req, reason)
         return StepOutput(out.request_id, emitted, reason is not None, reason, out if reason else None)

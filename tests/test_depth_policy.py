@@ -244,9 +244,9 @@ def test_each_depth_is_valued_at_its_own_steps_acceptance():
     _measured(policy, 1, {1: 1.0, 3: 1.5})
     random = np.random.default_rng(0)
     for _ in range(200):
-        policy.observe([0.5] * 3, 1, int(random.random() < 0.7))
+        policy.observe([[0.5] * 3], 1, [int(random.random() < 0.7)])
         first, second, third = random.random(3) < [0.9, 0.6, 0.5]
-        policy.observe([0.5] * 3, 3, first * (1 + second * (1 + third)))
+        policy.observe([[0.5] * 3], 3, [first * (1 + second * (1 + third))])
     pooled = policy.prior()
     assert expected_tokens(pooled, 3) / 1.5 < expected_tokens(pooled, 1) / 1.0
     scale = policy.calibration()
@@ -318,7 +318,7 @@ def test_observe_updates_only_the_tested_positions(accepted, depth, rates):
     accepted = min(accepted, depth)
     policy = DepthPolicy((0, 1, 2, 3, 4))
     before = list(rates)
-    policy.observe(rates, depth, accepted)
+    policy.observe([rates], depth, [accepted])
     tested = min(accepted + 1, depth)
     for j in range(4):
         if j >= tested:
@@ -336,7 +336,7 @@ def test_the_pooled_counts_sum_every_depths_counts(steps):
     """counts() is kept as drafts are observed: it must equal the per-depth counts summed."""
     policy = DepthPolicy((0, 1, 2, 3))
     for depth, accepted in steps:
-        policy.observe([0.5] * 3, depth, min(accepted, depth))
+        policy.observe([[0.5] * 3], depth, [min(accepted, depth)])
     proposed, accepted = policy.counts()
     for j in range(3):
         assert proposed[j] == sum(p[j] for p in policy._proposed.values() if j < len(p))
@@ -371,7 +371,7 @@ def test_calibration_is_recomputed_once_a_64th_more_drafts_were_tested(steps):
     policy = DepthPolicy((0, 1, 3))
     fresh = {0: policy._calibrate()}  # by drafts tested
     for depth, accepted, ask in steps:
-        policy.observe([0.5] * 3, depth, min(accepted, depth))
+        policy.observe([[0.5] * 3], depth, [min(accepted, depth)])
         fresh[policy._observed] = policy._calibrate()
         if ask:
             policy.calibration()
@@ -517,8 +517,8 @@ def _serve_both(
         seconds = costs[k] * float(random.uniform(0.7, 1.3))
         for r in requests:
             accepted = next((j for j in range(k) if random.random() >= rates[j]), k)
-            policy.observe(r[1], k, accepted)
-            fresh.observe(r[2], k, accepted)
+            policy.observe([r[1]], k, [accepted])
+            fresh.observe([r[2]], k, [accepted])
             r[0] -= min(r[0], accepted + 1)
         policy.record_cost(bucket, k, seconds)
         fresh.record_cost(bucket, k, seconds)
@@ -564,7 +564,7 @@ def _served_lone(recheck_every: int) -> tuple[list[int], list[int]]:
     for step in range(60):
         k = policy.choose(1, [rates], [100])
         chosen.append(k)
-        policy.observe(rates, k, k if step < 31 else 0)
+        policy.observe([rates], k, [k if step < 31 else 0])
         policy.record_cost(1, k, costs[k])
     return chosen, worked
 

@@ -33,6 +33,10 @@ class GraphKind(Enum):
     mtp_catch_up = member(steps.mtp_catch_up)
     mtp_fill = member(steps.mtp_fill)
 
+    # A member is its only instance, so its identity hashes it as well as Enum's Python-level hash of
+    # its name does: the graphs are looked up by key at every decode step, on the caches they empty.
+    __hash__ = object.__hash__
+
     @property
     def step(self) -> Callable[..., Any]:
         """The step function: step(model, state, *step tensors)."""

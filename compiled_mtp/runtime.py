@@ -16,7 +16,7 @@ from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -64,9 +64,10 @@ class RequestOutput:
     accepted_per_step: list[int] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
-class StepOutput:
-    """Tokens a request gained in one `step()`; `output` is the whole result once it finished."""
+class StepOutput(NamedTuple):
+    """Tokens a request gained in one `step()`; `output` is the whole result once it finished.
+    A named tuple, not a frozen dataclass: the runtime makes one per request and step, on caches the
+    step's graphs have just emptied, where a frozen dataclass's field-by-field setattr costs 6 us."""
 
     request_id: int
     new_token_ids: list[int]
@@ -533,10 +534,9 @@ class Runtime:
         room = req.params.max_new_tokens - len(out.token_ids)
         emitted = tokens[:room]
         reason = "length" if len(tokens) >= room else None
-        for i, t in enumerate(emitted):
-            if t in req.stop_ids:
-                emitted, reason = emitted[: i + 1], "stop"
-                break
+        if not req.stop_ids.isdisjoint(emitted):  # walked only where a stop token came
+            end = next(i for i, t in enumerate(emitted) if t in req.stop_ids) + 1
+            emitted, reason = emitted[:end], "stop"
         out.token_ids += emitted
         req.seq_len += len(tokens)
         if depth is not None:

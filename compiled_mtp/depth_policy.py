@@ -204,7 +204,6 @@ class DepthPolicy:
         # Drafts proposed and accepted at each position, by the depth of the step.
         self._proposed = {k: [0] * k for k in self.depths}
         self._accepted = {k: [0] * k for k in self.depths}
-        self._pooled = ([0] * self.depths[-1], [0] * self.depths[-1])  # the same over every depth
         self._observed = 0  # drafts tested so far: calibration() changes only with them
         self._calibrated: tuple[int, dict[int, float]] = (-1, {})
         self._catch_up: dict[int, float] = {}  # each bucket's MTP catch-up, seconds at its speed 1
@@ -216,7 +215,11 @@ class DepthPolicy:
 
     def counts(self) -> tuple[list[int], list[int]]:
         """Drafts proposed and accepted at each position, over the steps of every depth."""
-        return list(self._pooled[0]), list(self._pooled[1])
+        n = self.depths[-1]
+        return (
+            [sum(p[j] for p in self._proposed.values() if j < len(p)) for j in range(n)],
+            [sum(a[j] for a in self._accepted.values() if j < len(a)) for j in range(n)],
+        )
 
     def prior(self) -> list[float]:
         """Acceptance per position from every step so far, each smoothed towards the one before."""
@@ -254,7 +257,6 @@ class DepthPolicy:
         as they were. One call a step, not one a request: each call on the caches the step's graphs
         have just emptied costs microseconds."""
         alpha, proposed, hits = self.request_alpha, self._proposed[depth], self._accepted[depth]
-        pooled_proposed, pooled_hits = self._pooled
         for own, a in zip(rates, accepted):
             tested = min(a + 1, depth)
             self._observed += tested
@@ -262,8 +264,6 @@ class DepthPolicy:
                 hit = j < a
                 proposed[j] += 1
                 hits[j] += hit
-                pooled_proposed[j] += 1
-                pooled_hits[j] += hit
                 own[j] += alpha * (hit - own[j])
 
     def record_cost(self, bucket: int, depth: int, seconds: float) -> None:

@@ -331,16 +331,21 @@ def test_observe_updates_only_the_tested_positions(accepted, depth, rates):
     assert len(prior) == 4 and all(0 < p < 1 for p in prior)
 
 
-@given(steps=st.lists(st.tuples(st.integers(1, 3), st.integers(0, 3)), max_size=40))
-def test_the_pooled_counts_sum_every_depths_counts(steps):
-    """counts() is kept as drafts are observed: it must equal the per-depth counts summed."""
+@given(steps=st.lists(st.tuples(st.integers(0, 3), st.lists(st.integers(0, 3), max_size=4)), max_size=40))
+def test_the_pooled_counts_tally_every_step_of_every_depth(steps):
+    """counts() over steps of any depth and batch: position j of a request's step at depth K was tested
+    where K > j and every draft before it was accepted, and accepted where the request accepted more
+    than j drafts."""
     policy = DepthPolicy((0, 1, 2, 3))
+    tested, hits = [0] * 3, [0] * 3
     for depth, accepted in steps:
-        policy.observe([[0.5] * 3], depth, [min(accepted, depth)])
-    proposed, accepted = policy.counts()
-    for j in range(3):
-        assert proposed[j] == sum(p[j] for p in policy._proposed.values() if j < len(p))
-        assert accepted[j] == sum(a[j] for a in policy._accepted.values() if j < len(a))
+        accepted = [min(a, depth) for a in accepted]
+        policy.observe([[0.5] * 3 for _ in accepted], depth, accepted)
+        for a in accepted:
+            for j in range(depth):
+                tested[j] += j <= a
+                hits[j] += j < a
+    assert policy.counts() == (tested, hits)
 
 
 def test_a_far_depth_is_probed_as_often_as_its_loss_allows():

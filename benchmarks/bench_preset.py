@@ -230,9 +230,11 @@ def _serve(
                 if len(depths) == 1
                 else policy.choose(batch, [own[i] for i in live], [left[i] for i in live])
             )
-            accepted = [group[i][1](1 + group[i][0] - left[i], k) for i in live]
-            for i, a in zip(live, accepted):
-                left[i] -= min(left[i], a + 1)
+            accepted = []
+            for i in live:
+                wanted, drafts = group[i]
+                accepted.append(drafts(1 + wanted - left[i], k))
+                left[i] -= min(left[i], accepted[-1] + 1)
             policy.observe([own[i] for i in live], k, accepted)
             moment = speed[min(int(seconds * 1e3), len(speed) - 1)]
             step = costs[k] / 1e3 * moment * (1 + noise * rng.uniform(-1, 1))

@@ -520,11 +520,11 @@ def _serve_both(
             policy.record_catch_up(bucket, seconds)
             fresh.record_catch_up(bucket, seconds)
         seconds = costs[k] * float(random.uniform(0.7, 1.3))
-        for r in requests:
-            accepted = next((j for j in range(k) if random.random() >= rates[j]), k)
-            policy.observe([r[1]], k, [accepted])
-            fresh.observe([r[2]], k, [accepted])
-            r[0] -= min(r[0], accepted + 1)
+        accepted = [next((j for j in range(k) if random.random() >= rates[j]), k) for _ in requests]
+        policy.observe([r[1] for r in requests], k, accepted)  # one call a step, as the runtime makes it
+        fresh.observe([r[2] for r in requests], k, accepted)
+        for r, a in zip(requests, accepted):
+            r[0] -= min(r[0], a + 1)
         policy.record_cost(bucket, k, seconds)
         fresh.record_cost(bucket, k, seconds)
         requests = [r for r in requests if r[0] > 0 and random.random() > 0.01]  # some stop early

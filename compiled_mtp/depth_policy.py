@@ -103,31 +103,36 @@ depth-0 steps' time. Bounded at 512 steps, those probes cost auto a point more t
 
 Working a choice out takes tens of microseconds of Python at a large batch, about 2% of its step.
 A batch holding depth 0 moves none of the choice's inputs (its steps test no draft and, steady, time
-no cost anew), so until a probe falls due, a request leaves or joins, one nears its last tokens, or a
-cost or catch-up is timed anew, the policy repeats its choice without working it out again: the same
-choice, exactly. At K > 0 every step tests drafts, so the rates move at every step. Each step moves
-a request's rate at a position by request_alpha at most, and the choice changes only when another
-depth's value beats the current one's by the margin, so while nothing but the rates and the drafts
-tested move, the choice is worked out again every `recheck_every` steps: a change of depth comes up
-to recheck_every - 1 steps late.
+no cost anew), so until a probe falls due, a request leaves or joins, or a cost or catch-up is timed
+anew, the policy repeats its choice without working it out again: the same choice, exactly. Requests
+nearing their last tokens only take tokens away from every depth (each request's count is capped at
+what it still wants), so a held choice stands while the held depth's capped tokens stay above what
+would keep every other depth's value at the choice, now an upper bound, behind it by the margin
+(`_need`). So probes are scheduled on the values without the caps, which a batch's last tokens leave
+as they are, and a probe that falls due waits while a cap binds its depth's tokens (benchmarks/
+README.md, "Choices held through a batch's last tokens"). At K > 0 every step tests drafts, so the
+rates move at every step. Each step moves a request's rate at a position by request_alpha at most,
+and the choice changes only when another depth's value beats the current one's by the margin, so
+while nothing but the rates and the drafts tested move, the choice is worked out again every
+`recheck_every` steps: a change of depth comes up to recheck_every - 1 steps late.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import operator
 import statistics
 from collections import Counter, defaultdict, deque
 from collections.abc import Sequence
 from functools import partial
 
 Key = tuple[int, int]  # (bucket, depth)
-# A choice's inputs besides the rates, the requests' rates, the drafts tested by then, the tokens each
-# request must still want for no cap to bind it, the last step it holds to, and the last it holds to
+# A choice's inputs besides the rates, the requests' rates, the drafts tested by then, each request's
+# expected tokens at the held depth, the fewest of those (each capped at what its request still wants)
+# that keep the held depth ahead of every other, the last step it holds to, and the last it holds to
 # while the rates move.
-Hold = tuple[object, list[tuple[float, ...]], int, tuple[float, ...], float, float]
-NO_HOLD: Hold = (None, [], -1, (math.inf,), -math.inf, -math.inf)
+Hold = tuple[object, list[tuple[float, ...]], int, tuple[float, ...], float, float, float]
+NO_HOLD: Hold = (None, [], -1, (), math.inf, -math.inf, -math.inf)
 UNTIMED_CALLS = 2  # a key's first calls, never counted in its cost
 PSEUDO_STEPS = 16  # the pooled history's weight, in steps, in a depth's own acceptance rates
 CALIBRATE_AFTER = 64  # calibration() is worked out again after a 64th more drafts were tested
@@ -302,25 +307,16 @@ class DepthPolicy:
     def expected(self, rates: Sequence[Sequence[float]], remaining: Sequence[int]) -> dict[int, float]:
         """Tokens a batch is expected to commit in one step at each depth: its requests' rates,
         calibrated for the depth, each request's count capped at the tokens it still wants."""
-        return self._expected_and_caps(rates, remaining)[0]
+        return {k: sum(map(min, column, remaining)) for k, column in zip(self.depths, self._columns(rates))}
 
-    def _expected_and_caps(
-        self, rates: Sequence[Sequence[float]], remaining: Sequence[int]
-    ) -> tuple[dict[int, float], tuple[float, ...]]:
-        """expected(), and each request's most expected tokens at any depth: while it still wants at
-        least that many, no cap binds it."""
+    def _columns(self, rates: Sequence[Sequence[float]]) -> list[tuple[float, ...]]:
+        """For each depth, each request's expected tokens a step there, uncapped."""
         scale, depths = self.calibration(), self.depths
-        tokens = dict.fromkeys(depths, 0.0)
-        caps = []
-        for r, n in zip(rates, remaining):
+        rows = []
+        for r in rates:
             e = _expected_by_depth(r, depths[-1])
-            most = 0.0
-            for k in depths:
-                t = e[k] * scale[k]
-                most = t if t > most else most
-                tokens[k] += t if t < n else n
-            caps.append(most)
-        return tokens, tuple(caps)
+            rows.append([e[k] * scale[k] for k in depths])
+        return list(zip(*rows)) or [()] * len(depths)
 
     def choose(self, bucket: int, rates: Sequence[Sequence[float]], remaining: Sequence[int]) -> int:
         """The depth for the next step of a batch in `bucket`: its requests' rates and wanted tokens."""
@@ -340,39 +336,49 @@ class DepthPolicy:
         # The requests' own rate lists (observe updates them in place): a request that left or joined
         # ends a hold, however alike the rates.
         inputs = (bucket, self._changes, tuple(map(id, rates)))
-        held, held_rates, observed, caps, until, settled = self._hold
+        held, held_rates, observed, mine, need, until, settled = self._hold
         step = self._steps[bucket] + 1
         # The rates are compared last: at K > 0 every step tests drafts, so they differ already.
         if (
             inputs == held
             and step <= until
-            and all(map(operator.ge, remaining, caps))
+            and sum(map(min, mine, remaining)) >= need
             and (step <= settled or (self._observed == observed and [tuple(r) for r in rates] == held_rates))
         ):
             self._steps[bucket] = step
             return self.current
-        value, caps = self._valued(bucket, rates, remaining)
+        value, ahead, columns = self._valued(bucket, rates, remaining)
         best = max(value, key=value.__getitem__)
         if value[best] > value[self.current] * (1 + self._margin(best)):
             self.current = best
         self._judge_probe(bucket)
         self._held_by[bucket] = self.current
         self._steps[bucket] += 1
-        near = self._near(value)
+        near = self._near(ahead)
         due = {
-            k: self._due_after(bucket, k, value, remaining, near) for k in self.depths if k != self.current
+            k: self._due_after(bucket, k, ahead, remaining, near) for k in self.depths if k != self.current
         }
-        probes = [k for k, after in due.items() if self._steps[bucket] > after]
+        # A probe waits while a request's cap binds its depth's tokens: its steps would commit fewer
+        # than that depth is worth (simulated, probes at a batch's last tokens cost 0.3 points).
+        probes = [k for k, after in due.items() if self._steps[bucket] > after and value[k] == ahead[k]]
         until = min(due.values(), default=math.inf)
-        holds = not probes and all(map(operator.ge, remaining, caps))
         settled = self._steps[bucket] + self.recheck_every - 1
-        self._hold = (
-            (inputs, [tuple(r) for r in rates], self._observed, caps, until, settled) if holds else NO_HOLD
-        )
-        probe = max(probes, key=value.__getitem__, default=self.current)
+        mine, need = columns[self.depths.index(self.current)], self._need(bucket, value)
+        now = (inputs, [tuple(r) for r in rates], self._observed, mine, need, until, settled)
+        self._hold = NO_HOLD if probes else now
+        probe = max(probes, key=ahead.__getitem__, default=self.current)
         if probe != self.current:
             self._probing[bucket] = (probe, self._steps[bucket] + self.probe_steps - 1)
         return probe
+
+    def _need(self, bucket: int, value: dict[int, float]) -> float:
+        """The fewest expected tokens at the current depth, each request's capped at the tokens it
+        still wants, with which no other depth's value in `value` beats the current one's by the margin
+        a change needs. As requests near their last tokens, caps only take tokens away, so no other
+        depth's value rises above `value`'s while the held depth keeps these."""
+        cost = self._cost[bucket, self.current]
+        others = (value[k] / (1 + self._margin(k)) for k in self.depths if k != self.current)
+        return cost * max(others, default=-math.inf) * (1 + 1e-9)  # the last factor against rounding
 
     def _judge_probe(self, bucket: int) -> None:
         """After the bucket's probe, if one just ended: the probed depth lost once more, or won (the
@@ -392,10 +398,14 @@ class DepthPolicy:
 
     def _valued(
         self, bucket: int, rates: Sequence[Sequence[float]], remaining: Sequence[int]
-    ) -> tuple[dict[int, float], tuple[float, ...]]:
-        """values(), and each request's tokens wanted from which no cap binds it (_expected_and_caps)."""
-        tokens, caps = self._expected_and_caps(rates, remaining)
-        return {k: tokens[k] / self._cost[bucket, k] for k in self.depths}, caps
+    ) -> tuple[dict[int, float], dict[int, float], list[tuple[float, ...]]]:
+        """values(); the same without the caps, on which probes are scheduled (a batch's last tokens
+        say nothing of what a depth costs); and _columns()."""
+        columns, depths = self._columns(rates), self.depths
+        costs = [self._cost[bucket, k] for k in depths]
+        value = {k: sum(map(min, c, remaining)) / cost for k, c, cost in zip(depths, columns, costs)}
+        ahead = {k: sum(c) / cost for k, c, cost in zip(depths, columns, costs)}
+        return value, ahead, columns
 
     def _margin(self, k: int) -> float:
         """How much better depth k's value must be than the current depth's to replace it."""

@@ -587,6 +587,32 @@ def test_at_k_above_0_a_choice_is_worked_out_again_every_recheck_every_steps():
     assert 31 < fresh_drop < drop <= fresh_drop + 3  # 41 and 44: worked out at step 40, then 44
 
 
+def test_a_choice_holds_through_last_tokens_until_they_could_change_it():
+    """Eight requests at depth 1 (the others' costs far off, no probe due), reaching their last
+    tokens one after another: the caps take tokens from every depth, and the choice is worked out
+    again only when the held depth's capped tokens fall to where another depth's value at the last
+    working-out could beat it (step 12: depth 2's), and at step 21, when depth 0 wins. A twin working
+    every choice out afresh chooses the same at every step."""
+    costs = {0: 1.0, 1: 1.2, 2: 1.9, 3: 2.6}
+    policy, fresh = (DepthPolicy((0, 1, 2, 3), probe_every=10**4, close_probe_every=10**4) for _ in range(2))
+    for p in (policy, fresh):
+        _measured(p, 8, costs)
+    worked: list[int] = []
+    valued = policy._valued
+    policy._valued = lambda *args: worked.append(step) or valued(*args)  # type: ignore[method-assign]
+    rates = [[0.8, 0.7, 0.6] for _ in range(8)]
+    chosen, twin = [], []
+    for step in range(24):
+        remaining = [max(1, 4 + 3 * i - step) for i in range(8)]  # request i's last token at step 3 + 3i
+        fresh._hold = NO_HOLD
+        chosen.append(policy.choose(8, rates, remaining))
+        twin.append(fresh.choose(8, rates, remaining))
+        policy.record_cost(8, chosen[-1], costs[chosen[-1]])
+        fresh.record_cost(8, twin[-1], costs[twin[-1]])
+    assert chosen == twin == [1] * 21 + [0] * 3
+    assert worked == [0, 12, 21]  # every step from the 2nd on, when a binding cap ended a hold
+
+
 def test_a_batch_holding_depth_0_works_its_choice_out_only_when_a_probe_falls_due():
     """K=0 wins by far (a large batch), by more than one timing 30% off can hide: more than half the
     steps repeat the held choice; the rest come after a request left or joined, near a request's last

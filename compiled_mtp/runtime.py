@@ -505,7 +505,8 @@ class Runtime:
             self._commit(r, committed_l[i][: accepted_l[i] + 1], k, accepted_l[i]) for i, r in enumerate(reqs)
         ]
         if self._depth == "auto":  # a fixed depth's steps pay for no policy's bookkeeping
-            self._policy.observe([r.rates for r in reqs], k, accepted_l)
+            if k:  # a depth-0 step tests no draft
+                self._policy.observe([r.rates for r in reqs], k, accepted_l)
             self._policy.record_cost(bucket, k, time.perf_counter() - start)
         return outputs
 

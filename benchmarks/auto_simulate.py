@@ -20,8 +20,11 @@ depth's, then how many seeds' runs came below `--low` times the best fixed depth
 the worst such ratio. With `--trace`, acceptance is replayed from the real held-out generations instead
 (benchmarks/acceptance_trace.py): each seed serves every traced request, B at a time in a seeded order,
 and each step accepts what a step from that point of that text accepts, so a request's acceptance rises
-and falls as its text does. SIMULATED: no catch-up runs, and the costs do not move with the depth
-schedule as a real machine's do.
+and falls as its text does. With `--catch-up C F`, auto's runtime runs M's catch-up before a step at
+K > 0 after depth-0 steps, C times a depth-0 step's time, and its fill after LAG_WINDOW depth-0 steps,
+F times (0.45 and 0.27 at B=8 here, 0.34 and 0.19 at B=1: benchmarks/README.md, "The fill"); a fixed
+depth runs neither. SIMULATED: without --catch-up neither runs, a batch's last requests run at its
+bucket's cost, and the costs do not move with the depth schedule as a real machine's do.
 """
 
 from __future__ import annotations
@@ -82,6 +85,14 @@ def main() -> None:
     parser.add_argument(
         "--switch", type=float, default=0.0, help="a step's extra cost after a change of depth (0.05: 5%%)"
     )
+    parser.add_argument(
+        "--catch-up",
+        type=float,
+        nargs=2,
+        default=(0.0, 0.0),
+        metavar=("C", "F"),
+        help="auto's MTP catch-up and fill, each a share of a depth-0 step (default: 0 0, not run)",
+    )
     parser.add_argument("--seeds", type=int, default=16)
     parser.add_argument("--rev", action="append", default=[], help="a commit whose policy runs too")
     parser.add_argument(
@@ -126,6 +137,7 @@ def main() -> None:
                 policy=policy,
                 trace=trace,
                 switch=args.switch,
+                catch_up=tuple(args.catch_up),
                 **settings,
             )["tok_s"]
             for s in range(args.seeds)

@@ -45,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 from compiled_mtp import Runtime, SamplingParams  # noqa: E402
 from compiled_mtp.bench import timed_generate  # noqa: E402
 from compiled_mtp.depth_policy import DepthPolicy  # noqa: E402
+from compiled_mtp.graphs.state import LAG_WINDOW  # noqa: E402
 from compiled_mtp.models.checkpoint import load_model  # noqa: E402
 from compiled_mtp.models.synthetic import PRESETS, preset_config, write_random_checkpoint  # noqa: E402
 from compiled_mtp.runtime import DTYPES  # noqa: E402
@@ -158,6 +159,7 @@ def simulate(
     policy: type[DepthPolicy] = DepthPolicy,
     trace: list[list[int]] | None = None,
     switch: float = 0.0,
+    catch_up: tuple[float, float] = (0.0, 0.0),
     **settings: float,
 ) -> dict:
     """Tokens/s of B requests of `tokens` tokens each, with drafts accepted at `rates` per position,
@@ -171,14 +173,16 @@ def simulate(
     benchmarks/acceptance_trace.py), every request of the trace is served instead, B at a time in a
     seeded order, accepting what its text accepts; `tokens` and `rates` are then unused. A step at
     another depth than the step before costs `switch` more (0.05: 5%), as the first step of other
-    graphs does on a real machine."""
+    graphs does on a real machine. Under several depths, `catch_up` = (C, F) runs M's catch-up before
+    a step at K > 0 that follows depth-0 steps, C times a depth-0 step's time, and its fill once
+    LAG_WINDOW depth-0 steps lag, F times (runtime.py; the policy records each catch-up's time)."""
     chooser = policy(sorted(costs), **settings)
     speed = _speed_path(seed, drift)
     result: dict = {}
     for offset, served in ([(1 << 20, warm_up)] if warm_up else []) + [(0, None)]:
         rng = random.Random(seed + offset)
         groups = _groups(batch, tokens, rates, trace, rng)[:served]
-        result = _serve(chooser, batch, costs, groups, rng, noise, speed, switch)
+        result = _serve(chooser, batch, costs, groups, rng, noise, speed, switch, catch_up)
     return result
 
 
@@ -218,11 +222,20 @@ def _serve(
     noise: float,
     speed: tuple[float, ...],
     switch: float,
+    catch_up: tuple[float, float],
 ) -> dict:
     depths, seconds, chosen = policy.depths, 0.0, []
+    mixed = len(depths) > 1 and depths[0] == 0  # a runtime that keeps M current at depth 0
+
+    def lagging(share: float) -> float:
+        """A catch-up's or fill's time: `share` of a depth-0 step, at this moment's speed."""
+        moment = speed[min(int(seconds * 1e3), len(speed) - 1)]
+        return share * costs[0] / 1e3 * moment * (1 + noise * rng.uniform(-1, 1))
+
     for group in groups:
         own = [policy.prior() for _ in group]
         left = [wanted for wanted, _ in group]
+        lag = 0  # depth-0 steps M has not run over (the prefill leaves it current)
         while any(left):
             live = [i for i in range(len(group)) if left[i]]
             k = (
@@ -230,6 +243,13 @@ def _serve(
                 if len(depths) == 1
                 else policy.choose(batch, [own[i] for i in live], [left[i] for i in live])
             )
+            if mixed and lag and (k or lag >= LAG_WINDOW) and catch_up[k == 0]:
+                extra = lagging(catch_up[k == 0])
+                seconds += extra
+                if k:
+                    policy.record_catch_up(batch, extra)
+                lag = 0
+            lag = lag + 1 if mixed and k == 0 else 0
             accepted = []
             for i in live:
                 wanted, drafts = group[i]

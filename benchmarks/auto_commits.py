@@ -15,8 +15,13 @@ starts a policy afresh and is warmed up again: the bench's conditions (a policy 
 the warm-up, then 5 rounds) T times, where the rounds of one long run judge a policy that has long
 settled. The ratios are then also given trial by trial.
 
+With `--pinned K...`, an auto runtime for each K whose policy works every choice out as auto does
+(after a warm-up as auto, which times every key) but whose steps all run at depth K: against the fixed
+K=K runtime, what auto's Python (and at K=0 its fills) costs without its choices; against auto, what its
+choices cost.
+
     python benchmarks/auto_commits.py 392d5b5~1 [--batch 4] [--rounds 20] [--trials 1] [--timed-prompts 8]
-        [--cache-dir DIR] [--depths 0 1 2 3] [--bfloat16-mlps]
+        [--cache-dir DIR] [--depths 0 1 2 3] [--bfloat16-mlps] [--pinned K...]
 """
 
 from __future__ import annotations
@@ -72,6 +77,42 @@ def autos_at(systems: BenchSystems, revs: list[str]) -> dict[str, Runtime]:
     return out
 
 
+class Pinned(DepthPolicy):
+    """This checkout's policy, working every choice out as auto does, whose steps run at `target` once
+    pinned (after the warm-up, which times every key, so that the choices weigh real costs): auto's
+    Python, and at K=0 its fills, without its choices. Each step's time is recorded as the chosen
+    depth's, so that the policy holds its choices as auto does (a step at another depth than the
+    held one would count as a probe's, and end every hold)."""
+
+    target = 0
+    pinned = False
+    chosen = 0
+
+    def choose(self, bucket: int, rates: Sequence[Sequence[float]], remaining: Sequence[int]) -> int:
+        self.chosen = super().choose(bucket, rates, remaining)
+        return self.target if self.pinned else self.chosen
+
+    def record_cost(self, bucket: int, depth: int, seconds: float) -> None:
+        super().record_cost(bucket, self.chosen if self.pinned else depth, seconds)
+
+
+def pinned_at(systems: BenchSystems, depths: list[int]) -> dict[str, Runtime]:
+    """A runtime at "auto" with a Pinned policy for each of `depths`, not pinned yet."""
+    out = {}
+    for depth in depths:
+        rt = systems.runtimes()["auto"]
+        rt._policy = type(f"PinnedAt{depth}", (Pinned,), {"target": depth})(rt._policy.depths)
+        out[f"auto at K={depth}"] = rt
+    return out
+
+
+def pin(runtimes: dict[int | str, Runtime]) -> None:
+    """Every Pinned policy's steps from now on at its depth."""
+    for rt in runtimes.values():
+        if isinstance(rt._policy, Pinned):
+            rt._policy.pinned = True
+
+
 def fresh_autos(
     runtimes: dict[int | str, Runtime], groups: list[list[list[int]]], params: SamplingParams
 ) -> None:
@@ -94,18 +135,23 @@ def main() -> None:
     parser.add_argument("revs", nargs="*", help="commits whose policy runs beside this checkout's")
     add_system_arguments(parser, rounds=20)
     parser.add_argument("--trials", type=int, default=1, help="times the rounds run, each auto afresh")
+    parser.add_argument(
+        "--pinned", type=int, nargs="*", default=[], help="depths an auto runtime's steps are pinned to"
+    )
     args = parser.parse_args()
     library.apply_bfloat16_option(args)
     systems = BenchSystems(args.batch, args.timed_prompts, args.cache_dir, args.depths)
-    runtimes = {**systems.runtimes(), **autos_at(systems, args.revs)}
+    runtimes = {**systems.runtimes(), **autos_at(systems, args.revs), **pinned_at(systems, args.pinned)}
     groups, params = systems.groups, systems.params
     for rt in runtimes.values():
         warm_up(rt, groups, params)
+    pin(runtimes)
     steps: dict[int | str, Counter[int]] = {k: Counter() for k in runtimes}
     seconds: dict[int | str, list[float]] = {k: [] for k in runtimes}
     for trial in range(args.trials):
         if trial:
             fresh_autos(runtimes, groups, params)
+            pin(runtimes)
         before = {k: Counter(rt.stats()["depth_histogram"]) for k, rt in runtimes.items()}
         trial_seconds = {k: [0.0] * args.rounds for k in runtimes}
         for r, group, k in turns(list(runtimes), groups, args.rounds):

@@ -45,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 from compiled_mtp import Runtime, SamplingParams  # noqa: E402
 from compiled_mtp.bench import timed_generate  # noqa: E402
 from compiled_mtp.depth_policy import DepthPolicy  # noqa: E402
+from compiled_mtp.graphs.plan import step_plan  # noqa: E402
 from compiled_mtp.graphs.state import LAG_WINDOW  # noqa: E402
 from compiled_mtp.models.checkpoint import load_model  # noqa: E402
 from compiled_mtp.models.synthetic import PRESETS, preset_config, write_random_checkpoint  # noqa: E402
@@ -225,7 +226,6 @@ def _serve(
     catch_up: tuple[float, float],
 ) -> dict:
     depths, seconds, chosen = policy.depths, 0.0, []
-    mixed = len(depths) > 1 and depths[0] == 0  # a runtime that keeps M current at depth 0
 
     def lagging(share: float) -> float:
         """A catch-up's or fill's time: `share` of a depth-0 step, at this moment's speed."""
@@ -243,13 +243,15 @@ def _serve(
                 if len(depths) == 1
                 else policy.choose(batch, [own[i] for i in live], [left[i] for i in live])
             )
-            if mixed and lag and (k or lag >= LAG_WINDOW) and catch_up[k == 0]:
-                extra = lagging(catch_up[k == 0])
+            plan = step_plan(batch, k, depths)  # as the runtime's step: a catch-up or fill where it runs one
+            share = catch_up[0] if plan.catch_up else catch_up[1]
+            if lag and (plan.catch_up or (plan.fill and lag >= LAG_WINDOW)) and share:
+                extra = lagging(share)
                 seconds += extra
-                if k:
+                if plan.catch_up:
                     policy.record_catch_up(batch, extra)
                 lag = 0
-            lag = lag + 1 if mixed and k == 0 else 0
+            lag = lag + 1 if plan.fill else 0
             accepted = []
             for i in live:
                 wanted, drafts = group[i]

@@ -359,7 +359,7 @@ class DepthPolicy:
             k: self._due_after(bucket, k, ahead, remaining, near) for k in self.depths if k != self.current
         }
         # A probe waits while a request's cap binds its depth's tokens: its steps would commit fewer
-        # than that depth is worth (simulated, probes at a batch's last tokens cost 0.3 points).
+        # than that depth is worth (benchmarks/README.md, "Choices held through a batch's last tokens").
         probes = [k for k, after in due.items() if self._steps[bucket] > after and value[k] == ahead[k]]
         until = min(due.values(), default=math.inf)
         settled = self._steps[bucket] + self.recheck_every - 1

@@ -4,13 +4,17 @@ against the PyTorch function it replaces, its argument checks, and the library n
 from __future__ import annotations
 
 import contextlib
+import os
 import re
+import subprocess
+import sys
 import threading
 
 import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from torch._inductor import cpu_vec_isa
 
 from compiled_mtp.capture.compiler import CompiledGraphs
 from compiled_mtp.capture.post_grad import post_grad_graphs
@@ -203,6 +207,26 @@ def test_dense_mlp_on_amx_is_the_model_function(rows):
         vector = (ops.dense_mlp(x, gate, up, down).double() - expected).abs().max().item()
     tiles = (ops.dense_mlp(x, gate, up, down).double() - expected).abs().max().item()
     assert tiles <= 2 * vector
+
+
+@pytest.mark.skipif(bool(AMX_ROWS), reason="AMX's own tiles run the tests above")
+@pytest.mark.skipif(
+    not str(cpu_vec_isa.pick_vec_isa()).startswith("avx512"), reason="the tile path needs AVX-512"
+)
+def test_amx_tests_on_the_tile_model():
+    """On a machine without AMX, the AMX tests above run in a build whose tile instructions are a
+    model of them in C++ (csrc/amx_tiles.h): the tile path's splits, loads, strides, products and
+    stores, checked against the float32 products, where nothing else would run them."""
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", __file__, "-n", "0", "-p", "no:cacheprovider"]
+        + ["-k", "amx and not tile_model"],
+        env={**os.environ, "COMPILED_MTP_AMX_MODEL": "1"},
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    summary = re.findall(r"^.*\bpassed\b.*$", run.stdout, re.M)[-1]
+    assert re.search(r"\b4 passed", summary) and "skipped" not in summary, summary
 
 
 def test_bfloat16_products_switch_on_only_where_the_machine_has_them():

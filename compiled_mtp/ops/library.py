@@ -47,7 +47,10 @@ def _flags() -> list[str]:
     isa = cpu_vec_isa.pick_vec_isa()
     macros = [f"-D{m}" for m in isa.build_macro()] if isa else []
     arch = isa.build_arch_flags().split() if isa else []
-    return ["-O3", "-fopenmp", "-ffp-contract=off", *macros, *arch]
+    # A build for tests only: AMX's tile path on a model of the tile instructions (csrc/amx_tiles.h),
+    # on machines without AMX, in a build folder of its own (the flags name it).
+    model = ["-DCOMPILED_MTP_AMX_MODEL"] if os.environ.get("COMPILED_MTP_AMX_MODEL") == "1" else []
+    return ["-O3", "-fopenmp", "-ffp-contract=off", *macros, *arch, *model]
 
 
 def build_dir() -> Path:

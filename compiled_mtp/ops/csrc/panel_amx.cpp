@@ -23,6 +23,8 @@
 #if defined(CPU_CAPABILITY_AVX512) && defined(__x86_64__) && (defined(__clang__) || __GNUC__ >= 11)
 #define COMPILED_MTP_HAS_AMX 1
 #include <immintrin.h>
+
+#include "amx_tiles.h"
 #endif
 
 namespace compiled_mtp {
@@ -32,9 +34,13 @@ bool amx_usable() {
 #if defined(COMPILED_MTP_HAS_AMX)
     const char* env = std::getenv("COMPILED_MTP_AMX");
     if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+#if defined(COMPILED_MTP_AMX_MODEL)
+    return true;  // the tile instructions in software (amx_tiles.h)
+#else
     __builtin_cpu_init();
     // init_amx asks the kernel for the tile state (arch_prctl); it fails where AMX is absent.
     return __builtin_cpu_supports("amx-bf16") && at::cpu::init_amx();
+#endif
 #else
     return false;
 #endif
@@ -44,8 +50,10 @@ const bool amx_available = amx_usable();
 std::atomic<bool> amx_on{amx_available};
 
 #if defined(COMPILED_MTP_HAS_AMX)
+#if !defined(COMPILED_MTP_AMX_MODEL)
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-bf16")
+#endif
 
 constexpr int64_t LANES = PANEL_LANES, PARTS = 3, GROUP = 3;  // panels at once: 3 weight and 3 sum tiles
 constexpr int64_t PAIR_ROW = 2 * LANES * sizeof(uint16_t);  // bytes of a tile row of weights: each lane's pair of columns
@@ -53,27 +61,6 @@ constexpr int64_t BLOCK_BYTES = PANEL_K_BLOCK * LANES * sizeof(uint16_t);  // a 
 // Bytes of each panel prefetched ahead of the tile loads (6 tiles): without it, panels read cold
 // took 1.3-1.6x the vector path's time (benchmarks/README.md, "AMX's tile products").
 constexpr int64_t AHEAD_BYTES = 6 * BLOCK_BYTES;
-
-struct TileConfig {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-};
-
-// The tile instructions with their tile numbers as template arguments (the intrinsics' macros paste
-// the number into the instruction's text, so they take only literals).
-template <int T>
-inline void load_tile(const void* from, int64_t stride) {
-    __asm__ volatile("tileloadd (%0,%1,1), %%tmm%c2" ::"r"(from), "r"(stride), "i"(T) : "memory");
-}
-template <int T>
-inline void store_tile(void* to, int64_t stride) {
-    __asm__ volatile("tilestored %%tmm%c2, (%0,%1,1)" ::"r"(to), "r"(stride), "i"(T) : "memory");
-}
-template <int T>
-inline void zero_tile() { __asm__ volatile("tilezero %%tmm%c0" ::"i"(T)); }
-template <int C, int A, int B>
-inline void dot() { __asm__ volatile("tdpbf16ps %%tmm%c2, %%tmm%c1, %%tmm%c0" ::"i"(C), "i"(A), "i"(B)); }
 
 // x [rows, k] as its three bfloat16 parts [PARTS][rows][kp], the columns past k zero.
 void split(const float* x, int64_t rows, int64_t k, int64_t kp, uint16_t* parts) {
@@ -146,15 +133,17 @@ void tile_run(const float* x, int64_t rows, int64_t k, const uint16_t* panels, i
         config.rows[t] = t >= 2 && t <= 4 ? PANEL_K_BLOCK / 2 : rows;
         config.colsb[t] = 64;
     }
-    _tile_loadconfig(&config);
+    load_config(&config);
     float spill[PANEL_MAX_ROWS * LANES];
     for (int64_t p = q0; p < q1; p += GROUP) {
         group_of<GROUP>(std::min(GROUP, q1 - p), parts.data(), rows, kp, panels + p * kp * LANES, out, n, p * LANES, spill);
     }
-    _tile_release();  // a thread holding tile state makes every context switch save 8 KB more
+    release_tiles();  // a thread holding tile state makes every context switch save 8 KB more
 }
 
+#if !defined(COMPILED_MTP_AMX_MODEL)
 #pragma GCC pop_options
+#endif
 #endif
 
 int64_t panel_amx(std::optional<bool> enabled) {

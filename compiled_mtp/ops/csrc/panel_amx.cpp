@@ -50,10 +50,8 @@ const bool amx_available = amx_usable();
 std::atomic<bool> amx_on{amx_available};
 
 #if defined(COMPILED_MTP_HAS_AMX)
-#if !defined(COMPILED_MTP_AMX_MODEL)
 #pragma GCC push_options
-#pragma GCC target("amx-tile,amx-bf16")
-#endif
+#pragma GCC target("amx-tile,amx-bf16")  // lets the tile wrappers (amx_tiles.h) inline here
 
 constexpr int64_t LANES = PANEL_LANES, PARTS = 3, GROUP = 3;  // panels at once: 3 weight and 3 sum tiles
 constexpr int64_t PAIR_ROW = 2 * LANES * sizeof(uint16_t);  // bytes of a tile row of weights: each lane's pair of columns
@@ -141,9 +139,7 @@ void tile_run(const float* x, int64_t rows, int64_t k, const uint16_t* panels, i
     release_tiles();  // a thread holding tile state makes every context switch save 8 KB more
 }
 
-#if !defined(COMPILED_MTP_AMX_MODEL)
 #pragma GCC pop_options
-#endif
 #endif
 
 int64_t panel_amx(std::optional<bool> enabled) {

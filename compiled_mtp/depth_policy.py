@@ -125,14 +125,15 @@ import statistics
 from collections import Counter, defaultdict, deque
 from collections.abc import Sequence
 from functools import partial
+from operator import is_
 
 Key = tuple[int, int]  # (bucket, depth)
-# A choice's inputs besides the rates, the requests' rates, the drafts tested by then, each request's
-# expected tokens at the held depth, the fewest of those (each capped at what its request still wants)
-# that keep the held depth ahead of every other, the last step it holds to, and the last it holds to
-# while the rates move.
-Hold = tuple[object, list[tuple[float, ...]], int, tuple[float, ...], float, float, float]
-NO_HOLD: Hold = (None, [], -1, (), math.inf, -math.inf, -math.inf)
+# A choice's bucket and cost changes, the requests' rate lists, the drafts tested by then, each
+# request's expected tokens at the held depth, the fewest of those (each capped at what its request still
+# wants) that keep the held depth ahead of every other, the last step it holds to, and the last it holds
+# to while the rates move.
+Hold = tuple[object, tuple[Sequence[float], ...], int, tuple[float, ...], float, float, float]
+NO_HOLD: Hold = (None, (), -1, (), math.inf, -math.inf, -math.inf)
 UNTIMED_CALLS = 2  # a key's first calls, never counted in its cost
 PSEUDO_STEPS = 16  # the pooled history's weight, in steps, in a depth's own acceptance rates
 CALIBRATE_AFTER = 64  # calibration() is worked out again after a 64th more drafts were tested
@@ -258,7 +259,8 @@ class DepthPolicy:
 
     def observe(self, rates: Sequence[list[float]], depth: int, accepted: Sequence[int]) -> None:
         """A step at `depth` in which request i accepted accepted[i] drafts: update its rates[i] in
-        place, and the history. Positions past a request's first rejection were not tested and stay
+        place, and the history: the rate lists are the policy's to change, and choose() takes them as
+        observe() left them. Positions past a request's first rejection were not tested and stay
         as they were. One call a step, not one a request: each call on the caches the step's graphs
         have just emptied costs microseconds."""
         alpha, proposed, hits = self.request_alpha, self._proposed[depth], self._accepted[depth]
@@ -333,17 +335,19 @@ class DepthPolicy:
         # The choice rests on the requests' rates, the drafts tested, the costs and, through the cap,
         # the tokens each still wants (the module's docstring: a batch holding depth 0 moves none).
         self.current = self._held_by.get(bucket, self.current)
-        # The requests' own rate lists (observe updates them in place): a request that left or joined
-        # ends a hold, however alike the rates.
-        inputs = (bucket, self._changes, tuple(map(id, rates)))
+        # The requests' own rate lists, by identity: a request that left or joined ends a hold, however
+        # alike the rates (its cap holds the choice only while its tokens wanted fall). Only observe()
+        # changes them, so they stand while no draft was tested since.
+        inputs = (bucket, self._changes)
         held, held_rates, observed, mine, need, until, settled = self._hold
         step = self._steps[bucket] + 1
-        # The rates are compared last: at K > 0 every step tests drafts, so they differ already.
         if (
             inputs == held
+            and len(rates) == len(held_rates)
+            and all(map(is_, rates, held_rates))
             and step <= until
             and sum(map(min, mine, remaining)) >= need
-            and (step <= settled or (self._observed == observed and [tuple(r) for r in rates] == held_rates))
+            and (step <= settled or self._observed == observed)
         ):
             self._steps[bucket] = step
             return self.current
@@ -364,7 +368,7 @@ class DepthPolicy:
         until = min(due.values(), default=math.inf)
         settled = self._steps[bucket] + self.recheck_every - 1
         mine, need = columns[self.depths.index(self.current)], self._need(bucket, value)
-        now = (inputs, [tuple(r) for r in rates], self._observed, mine, need, until, settled)
+        now = (inputs, tuple(rates), self._observed, mine, need, until, settled)
         self._hold = NO_HOLD if probes else now
         probe = max(probes, key=ahead.__getitem__, default=self.current)
         if probe != self.current:

@@ -76,6 +76,15 @@ class StepOutput(NamedTuple):
     output: RequestOutput | None = None
 
 
+def _last_tokens(out: RequestOutput, n: int) -> list[int]:
+    """The request's last n tokens, prompt included, zeros before its first: without copying the whole
+    prompt and output, which a catch-up's Python would at every request."""
+    tail = out.token_ids[-n:]
+    if len(tail) < n:
+        tail = out.prompt_token_ids[len(tail) - n :] + tail
+    return [0] * (n - len(tail)) + tail
+
+
 @dataclass
 class _Request:
     out: RequestOutput
@@ -87,6 +96,7 @@ class _Request:
     lag: int = 0  # positions M has not run over yet (depth-0 steps since it last caught up)
     drafted: int = 0  # drafts d_1.. in the state that are current (the last step or prefill drew them)
     rates: list[float] = field(default_factory=list)  # acceptance per draft position (auto depth)
+    wanted: int = 0  # tokens it may still emit, max_new_tokens at first
 
 
 @dataclass
@@ -302,6 +312,7 @@ class Runtime:
             stop_ids=stop_ids | (frozenset() if params.ignore_eos else self.eos_ids),
             generator=None if greedy else torch.Generator().manual_seed(seed),
             rates=self._policy.prior(),
+            wanted=operator.index(params.max_new_tokens),
         )
         self._waiting.append(req)
         return req.out.request_id
@@ -467,8 +478,7 @@ class Runtime:
     def _choose_depth(self, reqs: list[_Request], bucket: int) -> int:
         if isinstance(self._depth, int):  # else "auto"
             return self._depth
-        wanted = [r.params.max_new_tokens - len(r.out.token_ids) for r in reqs]
-        return self._policy.choose(bucket, [r.rates for r in reqs], wanted)
+        return self._policy.choose(bucket, [r.rates for r in reqs], [r.wanted for r in reqs])
 
     def _decode(self, reqs: list[_Request]) -> list[StepOutput]:
         b = len(reqs)
@@ -514,11 +524,7 @@ class Runtime:
         """M over the positions depth-0 steps left it behind on: with fresh d_1 drafts (mtp_catch_up), or
         its cache entries alone (mtp_fill)."""
         window, bucket = self._lag_window, key.batch
-        tokens = []
-        for r in reqs:
-            tail = (r.out.prompt_token_ids + r.out.token_ids)[-window:]
-            tokens.append([0] * (window - len(tail)) + tail)
-        tokens += [[0] * window] * (bucket - len(reqs))
+        tokens = [_last_tokens(r.out, window) for r in reqs] + [[0] * window] * (bucket - len(reqs))
         lags = self._tensor([r.lag for r in reqs] + [0] * (bucket - len(reqs)))
         inputs = [slots, lens, lags, self._tensor(itertools.chain.from_iterable(tokens)).view(bucket, window)]
         if key.uniforms:
@@ -531,14 +537,14 @@ class Runtime:
     def _commit(self, req: _Request, tokens: list[int], depth: int | None, accepted: int) -> StepOutput:
         """Emit committed tokens up to the first stop token and max_new_tokens; count only those.
         `depth` is None for the token a prefill samples."""
-        out = req.out
-        room = req.params.max_new_tokens - len(out.token_ids)
+        out, room = req.out, req.wanted
         emitted = tokens[:room]
         reason = "length" if len(tokens) >= room else None
         if not req.stop_ids.isdisjoint(emitted):  # walked only where a stop token came
             end = next(i for i, t in enumerate(emitted) if t in req.stop_ids) + 1
             emitted, reason = emitted[:end], "stop"
         out.token_ids += emitted
+        req.wanted -= len(emitted)
         req.seq_len += len(tokens)
         if depth is not None:
             # Drafts are the first `accepted` committed tokens; the last one is the target's own.

@@ -70,7 +70,9 @@ def main() -> None:
         steps = stats["decode_steps"]
         parts = "  ".join(f"{name} {1e6 * calls[k][name] / steps:5.1f}" for name in CALLS)
         name = f"K={k}" if isinstance(k, int) else k
-        print(f"  {name:<16} host {1e6 * stats['host_seconds'] / steps:6.1f}  of which {parts}")
+        depths = dict(sorted(stats["depth_histogram"].items()))
+        host = 1e6 * stats["host_seconds"] / steps
+        print(f"  {name:<16} host {host:6.1f}  of which {parts}  steps per depth {depths}")
 
 
 if __name__ == "__main__":

@@ -322,22 +322,11 @@ class DepthPolicy:
 
     def choose(self, bucket: int, rates: Sequence[Sequence[float]], remaining: Sequence[int]) -> int:
         """The depth for the next step of a batch in `bucket`: its requests' rates and wanted tokens."""
-        depth, end = self._probing.get(bucket, (-1, -1))
-        if self._steps[bucket] < end and self._last.get(bucket) == depth:  # the probe's timed steps
-            self._steps[bucket] += 1
-            return depth
-        if bucket not in self._timed:
-            loading = [k for k in self.depths if self._seen[bucket, k] < UNTIMED_CALLS]
-            untried = [k for k in self.depths if (bucket, k) not in self._cost]
-            if loading or untried:
-                return (loading or untried)[0]  # each key's first timing back to back, at one speed
-            self._timed.add(bucket)  # a cost, once measured, is only ever replaced
-        # The choice rests on the requests' rates, the drafts tested, the costs and, through the cap,
-        # the tokens each still wants (the module's docstring: a batch holding depth 0 moves none).
-        self.current = self._held_by.get(bucket, self.current)
-        # The requests' own rate lists, by identity: a request that left or joined ends a hold, however
+        # A held choice first, with the fewest lookups (the step's graphs have just emptied the
+        # caches): a hold is made only where no probe starts, and its requests fix its bucket. They are
+        # known by their own rate lists, by identity: a request that left or joined ends a hold, however
         # alike the rates (its cap holds the choice only while its tokens wanted fall). Only observe()
-        # changes them, so they stand while no draft was tested since.
+        # changes a rate, so the rates stand while no draft was tested since.
         inputs = (bucket, self._changes)
         held, held_rates, observed, mine, need, until, settled = self._hold
         step = self._steps[bucket] + 1
@@ -351,6 +340,19 @@ class DepthPolicy:
         ):
             self._steps[bucket] = step
             return self.current
+        depth, end = self._probing.get(bucket, (-1, -1))
+        if self._steps[bucket] < end and self._last.get(bucket) == depth:  # the probe's timed steps
+            self._steps[bucket] += 1
+            return depth
+        if bucket not in self._timed:
+            loading = [k for k in self.depths if self._seen[bucket, k] < UNTIMED_CALLS]
+            untried = [k for k in self.depths if (bucket, k) not in self._cost]
+            if loading or untried:
+                return (loading or untried)[0]  # each key's first timing back to back, at one speed
+            self._timed.add(bucket)  # a cost, once measured, is only ever replaced
+        # The choice rests on the requests' rates, the drafts tested, the costs and, through the cap,
+        # the tokens each still wants (the module's docstring: a batch holding depth 0 moves none).
+        self.current = self._held_by.get(bucket, self.current)
         value, ahead, columns = self._valued(bucket, rates, remaining)
         best = max(value, key=value.__getitem__)
         if value[best] > value[self.current] * (1 + self._margin(best)):

@@ -171,7 +171,7 @@ class DepthPolicy:
         probe_share: float = 0.005,
         probe_most: int = 2048,
         probe_steps: int = 2,
-        recheck_every: int = 8,
+        recheck_every: int = 32,
         backoff: int = 3,
         spread: float = 0.25,
     ) -> None:

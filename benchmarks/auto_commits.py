@@ -54,6 +54,8 @@ def policy_at(rev: str) -> type[DepthPolicy]:
     module = types.ModuleType(f"depth_policy_at_{rev}")
     exec(compile(source.stdout, f"{rev}:{path}", "exec"), module.__dict__)
     policy: type[DepthPolicy] = module.DepthPolicy
+    if not hasattr(policy, "record_repeats"):
+        policy = type(policy.__name__, (policy,), {"repeats": 0})  # older: every step asks, none repeats
     if "Sequence" in inspect.signature(policy.observe).parameters["rates"].annotation:
         return policy
 
@@ -90,6 +92,8 @@ class Pinned(DepthPolicy):
 
     def choose(self, bucket: int, rates: Sequence[Sequence[float]], remaining: Sequence[int]) -> int:
         self.chosen = super().choose(bucket, rates, remaining)
+        if self.pinned and self.target != self.chosen:
+            self.repeats = 0  # the runtime would repeat the pinned depth's steps unobserved
         return self.target if self.pinned else self.chosen
 
     def record_cost(self, bucket: int, depth: int, seconds: float) -> None:

@@ -4,7 +4,7 @@ The bench's systems at B (benchmarks/auto_trace.py): K=`--depth`, "auto" with th
 DepthPolicy and, for each REV, "auto" with that commit's (auto_commits.py), warmed up as the bench
 warms them, then `--rounds` rounds in turns at every batch. Printed per system: host time per decode
 step (stats()["host_seconds"]: the step's wall time less its graphs') and, within it, the wall time
-of the policy's calls (`choose`, `observe`, `record_cost`), each per step.
+of the policy's calls (`choose`, `observe`, `record_cost`, `record_repeats`), each per step.
 
     python benchmarks/auto_host_time.py [REV...] [--batch 1] [--depth 3] [--rounds 4] [--cache-dir DIR]
                                         [--bfloat16-mlps]
@@ -24,13 +24,15 @@ from compiled_mtp.bench import timed_generate, turns
 from compiled_mtp.depth_policy import DepthPolicy
 from compiled_mtp.ops import library
 
-CALLS = ("choose", "observe", "record_cost")
+CALLS = ("choose", "observe", "record_cost", "record_repeats")
 
 
 def timed_calls(policy: DepthPolicy, seconds: Counter[str]) -> None:
     """Add the wall time of each of the policy's CALLS to `seconds`, by name."""
     for name in CALLS:
-        call: Callable = getattr(policy, name)
+        call: Callable | None = getattr(policy, name, None)
+        if call is None:  # a commit's policy from before the call
+            continue
 
         def timed(*args: object, _call: Callable = call, _name: str = name) -> object:
             start = time.perf_counter()

@@ -115,6 +115,13 @@ rates move at every step. Each step moves a request's rate at a position by requ
 and the choice changes only when another depth's value beats the current one's by the margin, so
 while nothing but the rates and the drafts tested move, the choice is worked out again every
 `recheck_every` steps: a change of depth comes up to recheck_every - 1 steps late.
+
+Even a repeated choice costs two calls a step on caches the step's graphs have just emptied. So a
+choice that holds depth 0 also says how many of the batch's next steps repeat it (`repeats`: those
+before the next probe falls due and before its first request's last token; at depth 0 every request
+counts one token a step, so no cap ends the hold sooner), and a runtime runs them without asking,
+until a request joins or leaves, and reports their times at its next call (`record_repeats`), which
+keeps the step counts and the machine's speed as calls at every step would.
 """
 
 from __future__ import annotations
@@ -196,6 +203,8 @@ class DepthPolicy:
         self._timed: set[int] = set()  # buckets whose every key has a cost
         self._changes = 0  # costs and catch-ups measured anew: the choice's inputs besides a batch's
         self._hold: Hold = NO_HOLD  # the last choice's inputs, their cap and the step it holds to
+        # The next steps of the last choice's batch that repeat it without a call (record_repeats).
+        self.repeats = 0
         self._cost: dict[Key, float] = {}  # seconds at the bucket's speed 1
         self._speed: dict[int, float] = {}  # each bucket's time over its keys' costs, lately
         self._last: dict[int, int] = {}  # the depth of each bucket's last step
@@ -339,6 +348,7 @@ class DepthPolicy:
             and (step <= settled or self._observed == observed)
         ):
             self._steps[bucket] = step
+            self.repeats = 0
             return self.current
         depth, end = self._probing.get(bucket, (-1, -1))
         if self._steps[bucket] < end and self._last.get(bucket) == depth:  # the probe's timed steps
@@ -372,6 +382,7 @@ class DepthPolicy:
         mine, need = columns[self.depths.index(self.current)], self._need(bucket, value)
         now = (inputs, tuple(rates), self._observed, mine, need, until, settled)
         self._hold = NO_HOLD if probes else now
+        self.repeats = 0 if probes or self.current else self._repeats_of(bucket, until, remaining)
         probe = max(probes, key=ahead.__getitem__, default=self.current)
         if probe != self.current:
             self._probing[bucket] = (probe, self._steps[bucket] + self.probe_steps - 1)
@@ -385,6 +396,25 @@ class DepthPolicy:
         cost = self._cost[bucket, self.current]
         others = (value[k] / (1 + self._margin(k)) for k in self.depths if k != self.current)
         return cost * max(others, default=-math.inf) * (1 + 1e-9)  # the last factor against rounding
+
+    def _repeats_of(self, bucket: int, until: float, remaining: Sequence[int]) -> int:
+        """How many of the batch's next steps a depth-0 hold just made repeats: those up to `until`, and
+        before its first request's last token (a request that finishes changes the batch, and the
+        runtime asks again). At depth 0 each running request counts one token a step, so no cap ends
+        such a hold."""
+        last = min(remaining, default=1) - 1
+        if until < math.inf:
+            last = min(last, math.floor(until) - self._steps[bucket])
+        return max(last, 0)
+
+    def record_repeats(self, bucket: int, depth: int, seconds: Sequence[float]) -> None:
+        """Steps run at `depth` as `repeats` allowed, without calling choose(), each's wall time in
+        order: the bookkeeping choose() and record_cost() keep for each (a held choice's step count,
+        the machine's speed). A runtime holding depth 0 so saves two calls a step on caches the step's
+        graphs have just emptied (benchmarks/README.md, "Repeats of a depth-0 hold")."""
+        for step_seconds in seconds:
+            self._steps[bucket] += 1
+            self.record_cost(bucket, depth, step_seconds)
 
     def _judge_probe(self, bucket: int) -> None:
         """After the bucket's probe, if one just ended: the probed depth lost once more, or won (the

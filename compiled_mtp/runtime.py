@@ -187,6 +187,10 @@ class Runtime:
         )
         self._depth = mtp_depth
         self._policy = DepthPolicy(depths)
+        # Auto's steps that repeat a held choice without asking the policy (DepthPolicy.repeats): how
+        # many are left for the running batch, their (bucket, depth) and the wall times not yet told.
+        self._repeats, self._repeated = 0, (0, 0)
+        self._repeat_seconds: list[float] = []
         self._device = model.lm_head.weight.device
         # Read at every decode step, on caches its graphs have just emptied, where a lookup through
         # the torch objects that hold them costs microseconds: kept as plain values.
@@ -270,6 +274,7 @@ class Runtime:
                 f"mtp_depth: {depth} is not one of the captured depths {list(self.depths)} (or 'auto')"
             )
         self._depth = depth
+        self._repeats = 0
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -473,17 +478,28 @@ class Runtime:
         req.seq_len = len(prompt)
         req.drafted = 1 if self.state.mtp_cache.shape[0] else 0
         self._running[req.slot] = req
+        self._repeats = 0  # a held choice is the batch's
         return self._commit(req, [int(first)], depth=None, accepted=0)
 
-    def _choose_depth(self, reqs: list[_Request], bucket: int) -> int:
+    def _choose_depth(self, reqs: list[_Request], bucket: int) -> tuple[int, bool]:
+        """The step's depth, and whether it repeats auto's held choice, its time told to the policy
+        later (record_repeats)."""
         if isinstance(self._depth, int):  # else "auto"
-            return self._depth
-        return self._policy.choose(bucket, [r.rates for r in reqs], [r.wanted for r in reqs])
+            return self._depth, False
+        if self._repeats:
+            self._repeats -= 1
+            return self._repeated[1], True
+        if self._repeat_seconds:
+            self._policy.record_repeats(*self._repeated, self._repeat_seconds)
+            del self._repeat_seconds[:]
+        k = self._policy.choose(bucket, [r.rates for r in reqs], [r.wanted for r in reqs])
+        self._repeats, self._repeated = self._policy.repeats, (bucket, k)
+        return k, False
 
     def _decode(self, reqs: list[_Request]) -> list[StepOutput]:
         b = len(reqs)
         bucket = self._bucket_of[b]
-        k = self._choose_depth(reqs, bucket)
+        k, repeat = self._choose_depth(reqs, bucket)
         plan = step_plan(bucket, k, self.depths)
         self.graphs.begin_step()
         pad = bucket - b
@@ -514,7 +530,9 @@ class Runtime:
         outputs = [
             self._commit(r, committed_l[i][: accepted_l[i] + 1], k, accepted_l[i]) for i, r in enumerate(reqs)
         ]
-        if self._depth == "auto":  # a fixed depth's steps pay for no policy's bookkeeping
+        if repeat:
+            self._repeat_seconds.append(time.perf_counter() - start)
+        elif self._depth == "auto":  # a fixed depth's steps pay for no policy's bookkeeping
             if k:  # a depth-0 step tests no draft
                 self._policy.observe([r.rates for r in reqs], k, accepted_l)
             self._policy.record_cost(bucket, k, time.perf_counter() - start)
@@ -565,6 +583,7 @@ class Runtime:
         if req.slot >= 0:
             del self._running[req.slot]
             self._free.append(req.slot)
+            self._repeats = 0
 
     def reset_stats(self) -> None:
         """Start the decode statistics (acceptance, steps, depths, host time) afresh; the graph

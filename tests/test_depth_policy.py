@@ -492,28 +492,34 @@ def test_a_depth_timed_slow_on_few_steps_is_probed_soon_while_its_spread_could_w
     assert probes[0.25, 0.1][:3] == probes[0.0, 0.0][:3]  # its first probe as late
 
 
-def _serve_both(
-    seed: int, batch: int, rates: list[float], costs: dict[int, float], steps: int
-) -> tuple[list, int]:
+def _serve_both(seed: int, batch: int, rates: list[float], costs: dict[int, float], steps: int):
     """A policy serving batches of requests (seeded acceptance, step times off their cost by up to
     30%, a catch-up before a step at K > 0 after depth 0, requests of 20-120 tokens replaced as they
-    finish) beside a twin that works out every choice afresh. Returns each step's pair of choices
-    and how many of the policy's choices repeated a held one."""
+    finish), driven as the runtime drives it (after a choice, its `repeats` next steps of the same
+    batch run without a call, their times reported at the next call), beside a twin asked at every
+    step that works every choice out afresh. Returns each step's pair of choices, how many of the
+    policy's choices repeated a held one when asked, how many steps repeated one unasked, and both."""
     # Every choice held only while all its inputs stand (next test for those held while rates move).
     policy, fresh = DepthPolicy((0, 1, 2, 3), recheck_every=1), DepthPolicy((0, 1, 2, 3))
     random = np.random.default_rng(seed)
     requests: list[list] = []  # [wanted, policy's rates, twin's rates]
-    pairs, held, last = [], 0, None
+    pairs, held, repeated, pending, left, unasked, last = [], 0, 0, [], 0, (0, 0), None
     for _ in range(steps):
         while len(requests) < batch:
-            wanted = int(random.integers(20, 120))
-            requests.append([wanted, policy.prior(), fresh.prior()])
+            requests.append([int(random.integers(20, 120)), policy.prior(), fresh.prior()])
+            left = 0  # a request joined: another batch
         bucket = 1 if len(requests) == 1 else batch
         remaining = [r[0] for r in requests]
-        evaluated = policy._hold
+        repeat, evaluated = left > 0, policy._hold
+        if repeat:
+            left, k = left - 1, unasked[1]
+        else:
+            policy.record_repeats(*unasked, pending)
+            pending = []
+            k = policy.choose(bucket, [r[1] for r in requests], remaining)
+            left, unasked = policy.repeats, (bucket, k)
+            held += policy._hold is evaluated and evaluated is not NO_HOLD
         fresh._hold = NO_HOLD
-        k = policy.choose(bucket, [r[1] for r in requests], remaining)
-        held += policy._hold is evaluated and evaluated is not NO_HOLD
         pairs.append((k, fresh.choose(bucket, [r[2] for r in requests], remaining)))
         if k and last == 0:
             seconds = float(random.uniform(0.5, 1.5))
@@ -521,15 +527,21 @@ def _serve_both(
             fresh.record_catch_up(bucket, seconds)
         seconds = costs[k] * float(random.uniform(0.7, 1.3))
         accepted = [next((j for j in range(k) if random.random() >= rates[j]), k) for _ in requests]
-        policy.observe([r[1] for r in requests], k, accepted)  # one call a step, as the runtime makes it
+        if repeat:  # a depth-0 step: no draft tested
+            pending.append(seconds)
+            repeated += 1
+        else:
+            policy.observe([r[1] for r in requests], k, accepted)  # one call a step, as the runtime makes it
+            policy.record_cost(bucket, k, seconds)
         fresh.observe([r[2] for r in requests], k, accepted)
+        fresh.record_cost(bucket, k, seconds)
         for r, a in zip(requests, accepted):
             r[0] -= min(r[0], a + 1)
-        policy.record_cost(bucket, k, seconds)
-        fresh.record_cost(bucket, k, seconds)
-        requests = [r for r in requests if r[0] > 0 and random.random() > 0.01]  # some stop early
-        last = k
-    return pairs, held
+        staying = [r for r in requests if r[0] > 0 and random.random() > 0.01]  # some stop early
+        left = left if len(staying) == len(requests) else 0
+        requests, last = staying, k
+    policy.record_repeats(*unasked, pending)
+    return pairs, held, repeated, policy, fresh
 
 
 @given(
@@ -539,11 +551,13 @@ def _serve_both(
     zero_cost=st.floats(0.2, 2.0),
 )
 def test_a_held_choice_is_the_one_worked_out_afresh(seed, batch, rates, zero_cost):
-    """Repeating the last choice while its inputs stand (a batch at depth 0, no probe due) chooses
-    exactly what working every choice out afresh does, step for step."""
+    """Repeating the last choice while its inputs stand (a batch at depth 0, no probe due), asked or
+    unasked (`repeats`), chooses exactly what working every choice out afresh does, step for step,
+    and leaves the policy's step counts, costs and speeds as that does."""
     costs = {0: zero_cost, 1: 1.4, 2: 1.8, 3: 2.2}
-    pairs, _ = _serve_both(seed, batch, rates, costs, 300)
+    pairs, _, _, policy, fresh = _serve_both(seed, batch, rates, costs, 300)
     assert [a for a, _ in pairs] == [b for _, b in pairs]
+    assert (policy._steps, policy._cost, policy._speed) == (fresh._steps, fresh._cost, fresh._speed)
 
 
 @pytest.mark.parametrize("batch", [1, 4, 8])
@@ -551,7 +565,7 @@ def test_a_held_choice_is_the_one_worked_out_afresh_in_near_ties(batch):
     """Depth 0 and depth 1 near a tie, as at B=4 on the shipped model: the noisy timings move the
     choice back and forth, and each new cost or catch-up timing must end a hold."""
     for seed in range(20):
-        pairs, _ = _serve_both(seed, batch, [0.8, 0.6, 0.5], {0: 1.0, 1: 1.8, 2: 2.3, 3: 2.7}, 300)
+        pairs, *_ = _serve_both(seed, batch, [0.8, 0.6, 0.5], {0: 1.0, 1: 1.8, 2: 2.3, 3: 2.7}, 300)
         assert [a for a, _ in pairs] == [b for _, b in pairs], f"seed {seed}"
 
 
@@ -615,8 +629,8 @@ def test_a_choice_holds_through_last_tokens_until_they_could_change_it():
 
 def test_a_batch_holding_depth_0_works_its_choice_out_only_when_a_probe_falls_due():
     """K=0 wins by far (a large batch), by more than one timing 30% off can hide: more than half the
-    steps repeat the held choice; the rest come after a request left or joined, near a request's last
-    tokens, or with a probe due."""
-    pairs, held = _serve_both(1, 8, [0.6, 0.5, 0.4], {0: 1.0, 1: 3.0, 2: 4.0, 3: 5.0}, 400)
+    steps repeat the held choice, nearly all without asking the policy; the rest come after a request
+    left or joined, or with a probe due."""
+    pairs, held, repeated, _, _ = _serve_both(1, 8, [0.6, 0.5, 0.4], {0: 1.0, 1: 3.0, 2: 4.0, 3: 5.0}, 400)
     assert [a for a, _ in pairs] == [b for _, b in pairs]
-    assert sum(a == 0 for a, _ in pairs) > 380 and held > 200
+    assert sum(a == 0 for a, _ in pairs) > 380 and repeated > 200 and held + repeated > 250

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from compiled_mtp import Runtime, SamplingParams
+from compiled_mtp.depth_policy import DepthPolicy
 from compiled_mtp.graphs.state import LAG_WINDOW
 from compiled_mtp.models.checkpoint import load_model
 from compiled_mtp.reference import reference_generate
@@ -519,6 +520,51 @@ def test_auto_depth_is_greedy_exact_and_tries_every_depth(noisy_echo):
     assert [o.token_ids for o in outs] == reference(noisy_echo, prompts, max_new)
     histogram = rt.stats()["depth_histogram"]
     assert set(histogram) == {0, 1, 2, 3} and sum(histogram.values()) == rt.stats()["decode_steps"]
+
+
+STEADY_COSTS = {0: 1.0, 1: 3.0, 2: 4.0, 3: 5.0}  # K=0 the cheapest by far, as at a large batch
+
+
+class _SteadyCosts(DepthPolicy):
+    """Each step timed at its depth's STEADY_COSTS, and the decode step of every choose() call noted."""
+
+    def __init__(self, depths, steps) -> None:
+        super().__init__(depths)
+        self.asked: list[int] = []
+        self._decode_steps = steps
+
+    def choose(self, bucket, rates, remaining):
+        self.asked.append(self._decode_steps())
+        return super().choose(bucket, rates, remaining)
+
+    def record_cost(self, bucket, depth, seconds):
+        super().record_cost(bucket, depth, STEADY_COSTS[depth])
+
+
+def test_auto_repeats_a_held_depth_0_without_asking_and_asks_again_when_the_batch_changes(noisy_echo):
+    """Holding depth 0, auto's runtime runs the steps the policy's `repeats` allows without asking it,
+    asks again on the step after a request joins or finishes, and its greedy output stays exact."""
+    prompts = prompts_for(97, [5, 9, 3], seed=7)
+    max_new = [80, 60, 40]
+    rt = runtime(noisy_echo, "auto", max_seq_len=96)
+    rt._policy = policy = _SteadyCosts(rt.depths, lambda: rt.stats()["decode_steps"])
+    got: dict[int, list[int]] = {}
+    changed = []  # the decode steps run before each change of the batch
+    for i in range(2):
+        rt.add_request(prompts[i], SamplingParams(max_new_tokens=max_new[i], ignore_eos=True))
+    while rt.has_unfinished():
+        if rt.stats()["decode_steps"] == 40 and len(got) == 2:  # joins before the 41st decode step
+            rt.add_request(prompts[2], SamplingParams(max_new_tokens=max_new[2], ignore_eos=True))
+            changed.append(40)
+        outs = rt.step()
+        for out in outs:
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        if any(out.finished for out in outs):
+            changed.append(rt.stats()["decode_steps"])
+    assert [got[i] for i in sorted(got)] == reference(noisy_echo, prompts, max_new)
+    histogram, steps = rt.stats()["depth_histogram"], rt.stats()["decode_steps"]
+    assert histogram[0] > steps // 2 and len(policy.asked) < steps // 2  # most steps repeated
+    assert set(changed[:-1]) <= set(policy.asked)  # the step after each change asked
 
 
 @pytest.mark.parametrize("n", [1, 17, 97])

@@ -336,6 +336,7 @@ class DepthPolicy:
         # known by their own rate lists, by identity: a request that left or joined ends a hold, however
         # alike the rates (its cap holds the choice only while its tokens wanted fall). Only observe()
         # changes a rate, so the rates stand while no draft was tested since.
+        self.repeats = 0  # but for a choice worked out below that holds depth 0
         inputs = (bucket, self._changes)
         held, held_rates, observed, mine, need, until, settled = self._hold
         step = self._steps[bucket] + 1
@@ -348,7 +349,6 @@ class DepthPolicy:
             and (step <= settled or self._observed == observed)
         ):
             self._steps[bucket] = step
-            self.repeats = 0
             return self.current
         depth, end = self._probing.get(bucket, (-1, -1))
         if self._steps[bucket] < end and self._last.get(bucket) == depth:  # the probe's timed steps

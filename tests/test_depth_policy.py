@@ -494,23 +494,23 @@ def test_a_depth_timed_slow_on_few_steps_is_probed_soon_while_its_spread_could_w
 
 def _serve_both(seed: int, batch: int, rates: list[float], costs: dict[int, float], steps: int):
     """A policy serving batches of requests (seeded acceptance, step times off their cost by up to
-    30%, a catch-up before a step at K > 0 after depth 0, requests of 20-120 tokens replaced as they
-    finish), driven as the runtime drives it (after a choice, its `repeats` next steps of the same
-    batch run without a call, their times reported at the next call), beside a twin asked at every
-    step that works every choice out afresh. Returns each step's pair of choices, how many of the
-    policy's choices repeated a held one when asked, how many steps repeated one unasked, and both."""
+    30%, a catch-up before a step at K > 0 after depth 0, requests of 20-120 tokens joining a batch of
+    up to `batch` as others finish, in buckets 1, 2, 4 and 8), driven as the runtime drives it (after
+    a choice, its `repeats` next steps of the same batch run without a call, their times reported at
+    the next call), beside a twin asked at every step that works every choice out afresh. Returns
+    each step's pair of choices, how many steps repeated a choice unasked, and both policies."""
     # Every choice held only while all its inputs stand (next test for those held while rates move).
     policy, fresh = DepthPolicy((0, 1, 2, 3), recheck_every=1), DepthPolicy((0, 1, 2, 3))
     random = np.random.default_rng(seed)
     requests: list[list] = []  # [wanted, policy's rates, twin's rates]
-    pairs, held, repeated, pending, left, unasked, last = [], 0, 0, [], 0, (0, 0), None
+    pairs, repeated, pending, left, unasked, last = [], 0, [], 0, (0, 0), None
     for _ in range(steps):
-        while len(requests) < batch:
+        while len(requests) < batch and (not requests or random.random() < 0.2):  # batches part and fill
             requests.append([int(random.integers(20, 120)), policy.prior(), fresh.prior()])
             left = 0  # a request joined: another batch
-        bucket = 1 if len(requests) == 1 else batch
+        bucket = next(b for b in (1, 2, 4, 8) if b >= len(requests))
         remaining = [r[0] for r in requests]
-        repeat, evaluated = left > 0, policy._hold
+        repeat = left > 0
         if repeat:
             left, k = left - 1, unasked[1]
         else:
@@ -518,7 +518,6 @@ def _serve_both(seed: int, batch: int, rates: list[float], costs: dict[int, floa
             pending = []
             k = policy.choose(bucket, [r[1] for r in requests], remaining)
             left, unasked = policy.repeats, (bucket, k)
-            held += policy._hold is evaluated and evaluated is not NO_HOLD
         fresh._hold = NO_HOLD
         pairs.append((k, fresh.choose(bucket, [r[2] for r in requests], remaining)))
         if k and last == 0:
@@ -541,7 +540,7 @@ def _serve_both(seed: int, batch: int, rates: list[float], costs: dict[int, floa
         left = left if len(staying) == len(requests) else 0
         requests, last = staying, k
     policy.record_repeats(*unasked, pending)
-    return pairs, held, repeated, policy, fresh
+    return pairs, repeated, policy, fresh
 
 
 @given(
@@ -555,7 +554,7 @@ def test_a_held_choice_is_the_one_worked_out_afresh(seed, batch, rates, zero_cos
     unasked (`repeats`), chooses exactly what working every choice out afresh does, step for step,
     and leaves the policy's step counts, costs and speeds as that does."""
     costs = {0: zero_cost, 1: 1.4, 2: 1.8, 3: 2.2}
-    pairs, _, _, policy, fresh = _serve_both(seed, batch, rates, costs, 300)
+    pairs, _, policy, fresh = _serve_both(seed, batch, rates, costs, 300)
     assert [a for a, _ in pairs] == [b for _, b in pairs]
     assert (policy._steps, policy._cost, policy._speed) == (fresh._steps, fresh._cost, fresh._speed)
 
@@ -628,9 +627,9 @@ def test_a_choice_holds_through_last_tokens_until_they_could_change_it():
 
 
 def test_a_batch_holding_depth_0_works_its_choice_out_only_when_a_probe_falls_due():
-    """K=0 wins by far (a large batch), by more than one timing 30% off can hide: more than half the
-    steps repeat the held choice, nearly all without asking the policy; the rest come after a request
-    left or joined, or with a probe due."""
-    pairs, held, repeated, _, _ = _serve_both(1, 8, [0.6, 0.5, 0.4], {0: 1.0, 1: 3.0, 2: 4.0, 3: 5.0}, 400)
+    """K=0 wins by far (a large batch), by more than one timing 30% off can hide: most steps repeat
+    the held choice without asking the policy; the rest time each bucket's depths first, or come
+    after a request left or joined, or with a probe due."""
+    pairs, repeated, _, _ = _serve_both(1, 8, [0.6, 0.5, 0.4], {0: 1.0, 1: 3.0, 2: 4.0, 3: 5.0}, 400)
     assert [a for a, _ in pairs] == [b for _, b in pairs]
-    assert sum(a == 0 for a, _ in pairs) > 380 and repeated > 200 and held + repeated > 250
+    assert sum(a == 0 for a, _ in pairs) > 360 and repeated > 250

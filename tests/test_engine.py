@@ -535,10 +535,17 @@ class _SteadyCosts(DepthPolicy):
 
     def choose(self, bucket, rates, remaining):
         self.asked.append(self._decode_steps())
-        return super().choose(bucket, rates, remaining)
+        before = self._hold
+        k = super().choose(bucket, rates, remaining)
+        assert not self.repeats or self._hold is not before  # repeats come with a hold worked out anew
+        return k
 
     def record_cost(self, bucket, depth, seconds):
         super().record_cost(bucket, depth, STEADY_COSTS[depth])
+
+    def record_repeats(self, bucket, depth, seconds):
+        assert depth == 0  # only a choice held at depth 0 runs unasked, whatever the bucket before
+        super().record_repeats(bucket, depth, seconds)
 
 
 def test_auto_repeats_a_held_depth_0_without_asking_and_asks_again_when_the_batch_changes(noisy_echo):

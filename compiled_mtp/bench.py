@@ -816,13 +816,17 @@ def round_ratios(a: Sequence[float], b: Sequence[float], digits: int = 2) -> str
 
 
 def _speedup_goal(runs: list[EngineRun], b: int, goal: float) -> list[Goal]:
-    """Best configuration (auto included) over K=0 at B, and the fraction of its bound's speedup."""
+    """Best configuration (auto included) over K=0 at B, and the fraction of its bound's speedup that
+    the fastest configuration that speculates reaches (where K=0 is the fastest, its own 100% would
+    say nothing of speculation)."""
     name = f"best K vs K=0 at B={b}"
     base = _engine_row(runs, 0, b)
     rows = [r for r in runs if r.batch == b]
-    if base is None:
-        return [Goal(f"speedup_b{b}", name, None, goal, None, f"not measured (needs K=0 and B={b})")]
+    drafting = [r for r in rows if r.k != 0]
+    if base is None or not drafting:
+        return [Goal(f"speedup_b{b}", name, None, goal, None, f"not measured (needs K=0, K > 0 and B={b})")]
     best = max(rows, key=lambda r: r.decode_tokens_per_s)
+    spec = max(drafting, key=lambda r: r.decode_tokens_per_s)
     # What the machine allows at all: a goal above every depth's roofline is met, if at all, through
     # the K=0 step's fixed costs, which a deeper step spreads over more tokens.
     roof = max((r for r in rows if r.k != "auto"), key=lambda r: r.roofline_speedup)
@@ -832,17 +836,17 @@ def _speedup_goal(runs: list[EngineRun], b: int, goal: float) -> list[Goal]:
         f" the roofline allows at most {roof.roofline_speedup:.2f}x (K={roof.k})"
     )
     fraction = (
-        f"K={best.k}: {best.speedup:.2f}x of a bound of {best.bound_speedup:.2f}x"
-        f" (the roofline, arithmetic counted too, {best.roofline_speedup:.2f}x)"
+        f"K={spec.k}: {spec.speedup:.2f}x of a bound of {spec.bound_speedup:.2f}x"
+        f" (the roofline, arithmetic counted too, {spec.roofline_speedup:.2f}x)"
     )
     return [
         Goal(f"speedup_b{b}", name, best.speedup, goal, best.speedup >= goal, detail),
         Goal(
             f"bound_fraction_b{b}",
             f"{name}, share of its bound",
-            best.bound_fraction,
+            spec.bound_fraction,
             0.8,
-            best.bound_fraction >= 0.8,
+            spec.bound_fraction >= 0.8,
             fraction,
         ),
     ]

@@ -452,3 +452,18 @@ def test_the_speedup_goal_names_the_most_the_roofline_allows():
     assert speedup.detail.startswith("K=2: 1440.0 vs 1000.0 decode tok/s")
     # Auto's 1.9x is left out: its roofline is its best fixed depth's.
     assert speedup.detail.endswith("the roofline allows at most 1.54x (K=1)")
+
+
+def test_the_bound_goal_judges_the_fastest_drafting_configuration():
+    """Where K=0 decodes fastest, the share-of-bound goal still reports the fastest configuration that
+    drafts: K=0's own share is 100% by definition and would read as met."""
+    rows = []
+    for k, rate, fraction in ((0, 1000.0, 1.0), (1, 980.0, 0.57), (3, 900.0, 0.33), ("auto", 960.0, 0.35)):
+        row = bench.EngineRun(k, 4, rate, rate, 1.0, 1.0, 0.0, 0.0, 1.0, 1, decode_runs=[rate])
+        row.speedup, row.bound_speedup, row.bound_fraction = rate / 1000.0, 1.7, fraction
+        rows.append(row)
+    speedup, share = bench._speedup_goal(rows, 4, 1.3)
+    assert speedup.detail.startswith("K=0:") and speedup.met is False
+    assert share.value == pytest.approx(0.57) and share.met is False
+    assert share.detail.startswith("K=1: 0.98x of a bound of 1.70x")
+    assert bench._speedup_goal(rows[:1], 4, 1.3)[0].value is None  # K=0 alone: nothing drafted

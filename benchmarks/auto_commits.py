@@ -144,7 +144,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     library.apply_bfloat16_option(args)
-    systems = BenchSystems(args.batch, args.timed_prompts, args.cache_dir, args.depths)
+    systems = BenchSystems(args.batch, args.timed_prompts, args.cache_dir, args.depths, args.buckets)
     runtimes = {**systems.runtimes(), **autos_at(systems, args.revs), **pinned_at(systems, args.pinned)}
     groups, params = systems.groups, systems.params
     for rt in runtimes.values():

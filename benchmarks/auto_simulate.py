@@ -23,8 +23,10 @@ and each step accepts what a step from that point of that text accepts, so a req
 and falls as its text does. With `--catch-up C F`, auto's runtime runs M's catch-up before a step at
 K > 0 after depth-0 steps, C times a depth-0 step's time, and its fill after LAG_WINDOW depth-0 steps,
 F times (0.45 and 0.27 at B=8 here, 0.34 and 0.19 at B=1: benchmarks/README.md, "The fill"); a fixed
-depth runs neither. SIMULATED: without --catch-up neither runs, a batch's last requests run at its
-bucket's cost, and the costs do not move with the depth schedule as a real machine's do.
+depth runs neither. A batch's last requests run on the smallest bucket of the bench's that holds
+them, at its cost, as the bench's runtimes do (with --full-tails, at the batch's own bucket's), and
+each policy first serves a batch of each smaller bucket's size. SIMULATED: without --catch-up neither
+runs, and the costs do not move with the depth schedule as a real machine's do.
 """
 
 from __future__ import annotations
@@ -93,6 +95,11 @@ def main() -> None:
         metavar=("C", "F"),
         help="auto's MTP catch-up and fill, each a share of a depth-0 step (default: 0 0, not run)",
     )
+    parser.add_argument(
+        "--full-tails",
+        action="store_true",
+        help="a batch's last requests at its own bucket's cost (before December 7, 2026), not the smaller ones'",
+    )
     parser.add_argument("--seeds", type=int, default=16)
     parser.add_argument("--rev", action="append", default=[], help="a commit whose policy runs too")
     parser.add_argument(
@@ -125,6 +132,7 @@ def main() -> None:
         **settings: float,
     ) -> list[float]:
         """tok/s of each seed's run."""
+        tails = None if args.full_tails else {b: {k: costs[b][k] for k in depths} for b in costs if b < batch}
         return [
             simulate(
                 batch,
@@ -138,6 +146,7 @@ def main() -> None:
                 trace=trace,
                 switch=args.switch,
                 catch_up=tuple(args.catch_up),
+                tails=tails,
                 **settings,
             )["tok_s"]
             for s in range(args.seeds)

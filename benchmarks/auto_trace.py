@@ -160,7 +160,7 @@ def switch_costs(
 
 def add_system_arguments(parser: argparse.ArgumentParser, rounds: int) -> None:
     """The options of the scripts that run BenchSystems in turns: --batch, --rounds (default `rounds`),
-    --timed-prompts, --cache-dir, --depths and --bfloat16-mlps (library.apply_bfloat16_option)."""
+    --timed-prompts, --cache-dir, --depths, --buckets and --bfloat16-mlps (library.apply_bfloat16_option)."""
     parser.add_argument("--batch", type=int, default=4, help="prompts generated at once (default: 4)")
     parser.add_argument(
         "--rounds", type=int, default=rounds, help=f"timed rounds in turns (default: {rounds})"
@@ -175,6 +175,13 @@ def add_system_arguments(parser: argparse.ArgumentParser, rounds: int) -> None:
         nargs="+",
         default=[0, 1, 2, 3],
         help="fixed depths, and auto's (default: 0 1 2 3)",
+    )
+    parser.add_argument(
+        "--buckets",
+        type=int,
+        nargs="*",
+        default=[],
+        help="batch buckets beside 1 and --batch, where a batch's last requests run (the bench's: 4 8)",
     )
     library.add_bfloat16_option(parser)
 
@@ -191,7 +198,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     library.apply_bfloat16_option(args)
-    systems = BenchSystems(args.batch, args.timed_prompts, args.cache_dir, args.depths)
+    systems = BenchSystems(args.batch, args.timed_prompts, args.cache_dir, args.depths, args.buckets)
     runtimes, groups, params = systems.runtimes(), systems.groups, systems.params
     lines: list[str] = []
     traced(runtimes["auto"]._policy, args.batch, lines)

@@ -161,6 +161,7 @@ def simulate(
     trace: list[list[int]] | None = None,
     switch: float = 0.0,
     catch_up: tuple[float, float] = (0.0, 0.0),
+    tails: dict[int, dict[int, float]] | None = None,
     **settings: float,
 ) -> dict:
     """Tokens/s of B requests of `tokens` tokens each, with drafts accepted at `rates` per position,
@@ -176,14 +177,22 @@ def simulate(
     another depth than the step before costs `switch` more (0.05: 5%), as the first step of other
     graphs does on a real machine. Under several depths, `catch_up` = (C, F) runs M's catch-up before
     a step at K > 0 that follows depth-0 steps, C times a depth-0 step's time, and its fill once
-    LAG_WINDOW depth-0 steps lag, F times (runtime.py; the policy records each catch-up's time)."""
+    LAG_WINDOW depth-0 steps lag, F times (runtime.py; the policy records each catch-up's time). With
+    `tails` (smaller buckets' ms a step by depth, as `costs`), a batch's requests that outlive the
+    others run on the smallest bucket that holds them, as a runtime's do; without, on the batch's. The
+    policy then first serves a batch of each smaller bucket's size, untimed, as the bench's runtimes
+    serve the smaller batch sizes before the larger."""
+    buckets = {**(tails or {}), batch: costs}
     chooser = policy(sorted(costs), **settings)
     speed = _speed_path(seed, drift)
     result: dict = {}
-    for offset, served in ([(1 << 20, warm_up)] if warm_up else []) + [(0, None)]:
+    smaller = [(1 << 21, 1, b) for b in sorted(tails or {})]
+    for offset, served, size in (
+        smaller + ([(1 << 20, warm_up, batch)] if warm_up else []) + [(0, None, batch)]
+    ):
         rng = random.Random(seed + offset)
-        groups = _groups(batch, tokens, rates, trace, rng)[:served]
-        result = _serve(chooser, batch, costs, groups, rng, noise, speed, switch, catch_up)
+        groups = _groups(size, tokens, rates, trace, rng)[:served]
+        result = _serve(chooser, buckets, groups, rng, noise, speed, switch, catch_up)
     return result
 
 
@@ -216,8 +225,7 @@ def _speed_path(seed: int, drift: float, milliseconds: int = 1 << 16) -> tuple[f
 
 def _serve(
     policy: DepthPolicy,
-    batch: int,
-    costs: dict[int, float],
+    buckets: dict[int, dict[int, float]],
     groups: list[list[Request]],
     rng: random.Random,
     noise: float,
@@ -227,10 +235,10 @@ def _serve(
 ) -> dict:
     depths, seconds, chosen = policy.depths, 0.0, []
 
-    def lagging(share: float) -> float:
-        """A catch-up's or fill's time: `share` of a depth-0 step, at this moment's speed."""
+    def lagging(share: float, batch: int) -> float:
+        """A catch-up's or fill's time: `share` of a depth-0 step of `batch`, at this moment's speed."""
         moment = speed[min(int(seconds * 1e3), len(speed) - 1)]
-        return share * costs[0] / 1e3 * moment * (1 + noise * rng.uniform(-1, 1))
+        return share * buckets[batch][0] / 1e3 * moment * (1 + noise * rng.uniform(-1, 1))
 
     for group in groups:
         own = [policy.prior() for _ in group]
@@ -238,6 +246,7 @@ def _serve(
         lag = 0  # depth-0 steps M has not run over (the prefill leaves it current)
         while any(left):
             live = [i for i in range(len(group)) if left[i]]
+            batch = min(b for b in buckets if b >= len(live))
             k = (
                 depths[0]
                 if len(depths) == 1
@@ -246,7 +255,7 @@ def _serve(
             plan = step_plan(batch, k, depths)  # as the runtime's step: a catch-up or fill where it runs one
             share = catch_up[0] if plan.catch_up else catch_up[1]
             if lag and (plan.catch_up or (plan.fill and lag >= LAG_WINDOW)) and share:
-                extra = lagging(share)
+                extra = lagging(share, batch)
                 seconds += extra
                 if plan.catch_up:
                     policy.record_catch_up(batch, extra)
@@ -259,7 +268,7 @@ def _serve(
                 left[i] -= min(left[i], accepted[-1] + 1)
             policy.observe([own[i] for i in live], k, accepted)
             moment = speed[min(int(seconds * 1e3), len(speed) - 1)]
-            step = costs[k] / 1e3 * moment * (1 + noise * rng.uniform(-1, 1))
+            step = buckets[batch][k] / 1e3 * moment * (1 + noise * rng.uniform(-1, 1))
             step *= 1 + switch * (bool(chosen) and chosen[-1] != k)
             seconds += step
             policy.record_cost(batch, k, step)

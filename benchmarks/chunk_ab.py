@@ -33,7 +33,7 @@ def main() -> None:
     add_system_arguments(parser, rounds=8)
     args = parser.parse_args()
     library.apply_bfloat16_option(args)
-    systems = BenchSystems(args.batch, args.timed_prompts, args.cache_dir, args.depths)
+    systems = BenchSystems(args.batch, args.timed_prompts, args.cache_dir, args.depths, args.buckets)
     runtimes: dict[str, Runtime] = {}
     for label, size in (("A", args.a), ("B", args.b)):
         manager.MIN_CHUNK_SIZE = size  # read when a runtime's graphs take their Inductor options

@@ -5,123 +5,12 @@ committed tokens per second for the batch now running:
 
     value(K) = sum over requests of min(E_K(request), tokens it still wants) / cost(bucket, K)
 
-E_K = (1 + a_1 + a_1 a_2 + ... + a_1..a_K) * c_K, where a_j is the request's chance that draft j is
-accepted given that draft j - 1 was: an exponential moving average over the request's own steps
-(`request_alpha` a step: a larger weight lets one rejection move a lone request off the best depth;
-benchmarks/auto_simulate.py), started from the runtime's history (accepted over proposed at each
-position, smoothed towards the position before). The same position accepts at different rates at
-different depths, because each depth's steps start at different places in the text, so c_K scales the
-request's rates by how much more (or less) the runtime's steps at depth K have committed than its steps
-at every depth: the ratio of the two histories' expected tokens, depth K's shrunk towards the pooled one
-by PSEUDO_STEPS.
-
-cost(bucket, K) is a key's wall time at a reference speed of the machine, the first UNTIMED_CALLS left
-out: the first compiles or loads the graphs, and the second runs on the caches that loading emptied (up
-to 60% slower than the steps after it, here). The machine's speed itself moves by half within a fraction
-of a second here, so a cost is only compared with costs taken at the same speed: a step at the depth the
-bucket holds updates the bucket's speed (its time over its key's cost), and a probe's step updates its
-key's cost: the median of the key's last `cost_window` timings, each over the speed of its moment. Only
-steps at the depth of the bucket's step before them are timed. The first step after a change takes
-longer than the held steps after it (at B=4 here, a change from depth 0 up 1.12-1.22x: the Python
-between the graphs and the graphs themselves run on caches the other depth's steps filled), and costs
-taken from first steps favoured whichever depth was held: every other depth's cost carried its first
-step's extra time. At B=4 they put K=1, K=2 and K=3 at 1.85x, 2.33x and 2.82x K=0's cost, where auto's
-own held steps at B=4 took 1.58x and 2.12x for K=1 and K=2, and auto held K=0, 0.82x the best fixed
-depth. So a probe runs `probe_steps` steps at its depth, and the first is not timed; nor is the first
-step after a change of the held depth. One step's time is off the next one's by 20-30% here: in a trace
-at B=4, one K=1 step timed in a slow moment replaced K=1's cost (3.87 ms at the reference speed, then
-5.13) and moved auto to K=0 and K=2 for the rest of a round in which K=1 was the fastest fixed depth. A
-key never run is tried before any choice is made from the others, so every cost is measured, never typed
-in: each key's two untimed calls run back to back, then each key's first timed step (its second after
-the change to it), one key after another, at one speed. The depth changes only when another's value
-beats the current one's by `margin` (hysteresis: a near tie is within the noise of the estimates; at 2%,
-a lone request's rates moved it from K=3 to K=2, 0.93x as fast, on a quarter of its steps), or by
-`zero_margin` for a change to or from depth 0, which costs more than the steps it is timed on: leaving
-depth 0 first runs the MTP catch-up, and the requests of a batch that drafts finish at different steps,
-so its last steps run the bucket for fewer rows. The current depth is each bucket's own: a batch whose
-last request runs alone at depth 3 comes back to its own depth 0 with the margin counted from there.
-
-A batch of several requests finishes when its last request does, and at K > 0 its requests commit
-random numbers of tokens, so they part and the batch's last steps run for its last requests alone, on
-a smaller bucket's graphs. So no depth is charged for that tail at the full bucket's cost (which held
-depth 0 where drafting paid: benchmarks/README.md, "Auto without the tail valuation"); `zero_margin`
-stands for the catch-up and the parting.
-
-A cost is only as current as the last step run at that key: a depth that lost once would never be
-measured again. So every depth not run for `probe_every` steps of a bucket runs a probe; the depths
-within `close` of the current one's value take turns, one every `close_probe_every` steps (each every
-close_probe_every times their number): a near tie is what one noisy measurement decides wrongly, and a
-probe of a depth worth nearly as much costs little, though not nothing, since a step after a change of
-depth runs slower. Probed every close_probe_every steps each, the three or four near ties of depths
-0-6 at B=1 took 6-8 of every 22-24 steps. So each probe that a near depth loses (the bucket holds
-another depth after it) doubles that depth's wait, up to 2**`backoff` times, until it wins one:
-where several depths nearly tie, probes at one cadence put a large share of auto's steps at depths
-other than the one it held (benchmarks/README.md, "Near ties that keep losing"), and each probe is
-two changes of depth. A change of depth for any other reason keeps the waits: a batch's last steps,
-whose requests want fewer tokens than a deeper step drafts, change the depth to 0 and back, and a
-lone request's rates move it to a shallower depth in hard text and back, every few dozen steps at
-B=1, without any probe lost or won.
-
-A depth whose last timing alone would beat the current one waits no longer than a lone near tie
-would, close_probe_every steps doubled for each probe it lost in a row, however far behind its median
-puts it: two more timings outvote the older ones. Not doubled, that wait cost auto 0.7 points where
-depths tie within the noise of one timing (K=0, K=1 and K=2 at B=4 here): some depth's last timing
-beats the current one's cost most of the time, and its probes came every close_probe_every steps,
-each two changes of depth (benchmarks/README.md, "Probes of a near tie's fast timing"). Across
-depth 0 such a probe runs a catch-up, so there the last timing must beat the current depth by the
-margin a change needs: where depths nearly tie with K=0 a step (B=4 here), one fast timing each
-would have them probed every 16 steps, a catch-up each.
-Of the depths due, the most valuable runs first.
-
-A cost taken from few timings may itself be one slow moment's: a depth timed once at 1.3x its true
-cost, far enough behind to be spaced by the loss rule below, waited 400-2000 steps for its next
-probe, and a runtime could hold the wrong depth for all of a bench's rounds. So while fewer than
-cost_window timings make the cost of a depth more than `close` behind, it is also probed at the near
-ties' doubled cadence where it would beat the current depth by the margin a change needs at the
-cheapest cost those timings allow: `spread` (25%) below one timing, spread / sqrt(n) below the
-median of n. Each such probe adds a timing, until the cost is settled or the hope fails: a depth
-that truly loses stops after one to three. Simulated on two bench runs' step times, each step off
-its cost by up to 20%, at B = 1, 4 and 8 over 32 seeds each, auto's runs below 0.93x the best fixed
-depth on the same seed went from 31 to 19 of 384 (benchmarks/README.md, "Hope for a depth timed on
-few steps").
-
-A probe of a depth far behind costs more: its steps take longer than the current depth would for the
-same tokens. So does any probe across depth 0, near tie or not: leaving depth 0 first runs the MTP
-catch-up (whose time the runtime reports), and so does the first step back at K > 0 after a probe of
-depth 0. Such a depth waits, beyond `probe_every`, until its probe's loss is at most `probe_share`
-of the time of the steps since its last one, but never more than `probe_most` steps: where K=0 wins
-by far (a large batch), three probes of deeper steps every 64 cost several percent, and where K=1
-ties with K=0, a catch-up every 16 steps costs about as much. A probe from depth 0 of a batch of
-several requests costs its whole time beyond a depth-0 step: the batch ends with its slowest request,
-which the probe's step moves on by one token, as a depth-0 step would, unless every request has a
-draft accepted; the other requests' extra tokens end no step sooner. The other depths' probes share
-one probe_share between them, so that holding a depth costs the same whatever the depths captured.
-probe_most bounds how stale a cost may grow. Where a deeper depth loses by far, the loss rule asks
-for more: 3000-4000 steps for K=2 and K=3 at B=8 here, each probe a catch-up and two steps of 3-4
-depth-0 steps' time. Bounded at 512 steps, those probes cost auto a point more than at 2048 there
-(benchmarks/README.md, "Probes of a near tie's fast timing").
-
-Working a choice out takes tens of microseconds of Python at a large batch, about 2% of its step.
-A batch holding depth 0 moves none of the choice's inputs (its steps test no draft and, steady, time
-no cost anew), so until a probe falls due, a request leaves or joins, or a cost or catch-up is timed
-anew, the policy repeats its choice without working it out again: the same choice, exactly. Requests
-nearing their last tokens only take tokens away from every depth (each request's count is capped at
-what it still wants), so a held choice stands while the held depth's capped tokens stay above what
-would keep every other depth's value at the choice, now an upper bound, behind it by the margin
-(`_need`). So probes are scheduled on the values without the caps, which a batch's last tokens leave
-as they are, and a probe that falls due waits while a cap binds its depth's tokens (benchmarks/
-README.md, "Choices held through a batch's last tokens"). At K > 0 every step tests drafts, so the
-rates move at every step. Each step moves a request's rate at a position by request_alpha at most,
-and the choice changes only when another depth's value beats the current one's by the margin, so
-while nothing but the rates and the drafts tested move, the choice is worked out again every
-`recheck_every` steps: a change of depth comes up to recheck_every - 1 steps late.
-
-Even a repeated choice costs two calls a step on caches the step's graphs have just emptied. So a
-choice that holds depth 0 also says how many of the batch's next steps repeat it (`repeats`: those
-before the next probe falls due and before its first request's last token; at depth 0 every request
-counts one token a step, so no cap ends the hold sooner), and a runtime runs them without asking,
-until a request joins or leaves, and reports their times at its next call (`record_repeats`), which
-keeps the step counts and the machine's speed as calls at every step would.
+E_K comes from each request's own acceptance per draft position (a moving average started from the
+runtime's history) and a per-depth correction; cost is the median of the key's recent wall times,
+each from a step that followed one at the same depth, divided by the machine's speed of its moment. A bucket
+changes depth only by a margin, probes the depths it does not hold on a schedule that backs off when
+they keep losing, and repeats a choice while its inputs stand. The design and the measurements
+behind each rule and setting: docs/design.md, "Choosing the depth".
 """
 
 from __future__ import annotations
@@ -161,7 +50,24 @@ def _expected_by_depth(rates: Sequence[float], depth: int) -> list[float]:
 
 
 class DepthPolicy:
-    """Chooses decode depths and learns from each step's acceptance and wall time."""
+    """Chooses decode depths and learns from each step's acceptance and wall time.
+
+    Settings (docs/design.md, "Choosing the depth"):
+    - request_alpha: the weight of a step in a request's acceptance averages.
+    - cost_window: the timings whose median is a key's cost (and a bucket's catch-up's).
+    - speed_alpha: the weight of a held step in its bucket's speed.
+    - margin, zero_margin: how much better another depth's value must be to take over; the second
+      for a change to or from depth 0.
+    - probe_every: steps after which a depth not run is probed.
+    - close, close_probe_every: the near ties (within `close` of the held value) take turns, one
+      probe every close_probe_every steps each, the wait doubled for each probe lost, up to
+      2**backoff times.
+    - probe_share, probe_most: a costly probe waits until its loss is at most probe_share of the
+      time since the last one, but at most probe_most steps.
+    - probe_steps: the steps a probe runs; its first is not timed.
+    - recheck_every: at K > 0, the steps a choice is held while only the rates move.
+    - spread: how far below its few timings a depth's true cost may lie (over sqrt(n) for n).
+    """
 
     def __init__(
         self,

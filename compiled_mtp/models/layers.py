@@ -135,10 +135,8 @@ class Experts(nn.Module):
         Gathering each row's k experts reads only the experts in use and does k/E of the work of
         running every expert on every row. Inductor's CPU lowering turns each one-row product into a
         multiply-and-sum that reads the expert's weights in place, so nothing is copied; elsewhere
-        the gathered weights are materialized, k copies per row, and only few rows gather. Measured
-        on 2 CPU cores (16 experts, 4 per row, 768 x 256): gathering took 1.6 / 11.5 / 57 ms at
-        4 / 128 / 512 rows, every expert masked 5.1 / 17.5 / 60 ms; so past 512 rows (training
-        batches) the experts run masked.
+        the gathered weights are materialized, k copies per row, and only few rows gather; past 512
+        rows (training batches) the experts run masked (docs/design.md, "The decode loop as graphs").
         """
         rows, k = idx.shape
         if self.gathers(rows, k, x.device):

@@ -3,8 +3,8 @@
 Plain `F.linear` (MKL's GEMM on a row-major weight) turns compute-bound from about 4 rows on this class
 of CPU; with the weight reordered into oneDNN's blocked layout, 4-16 rows cost little more than one.
 oneDNN rather than MKL's own packed GEMM (`torch.ops.mkl._mkl_linear`, what Inductor's freezing uses
-for float32): on an AMD EPYC with AVX-512, MKL's packed GEMM took 3.2x as long for 4 rows of the
-129280 x 768 LM head as for 1 and F.linear 2x, oneDNN 1.0x (benchmarks/bench_passes.py).
+for float32), which grows with the rows as F.linear does on an AMD EPYC (docs/passes.md,
+packed_linear).
 
 `pack_linears` repacks every `Linear` of a model once; the packed copies are found by the weight's
 address, so every graph that calls the op (compiled in process or loaded from the capture cache)
@@ -27,8 +27,7 @@ from torch import Tensor, nn
 
 from ..models.deepseek_v3 import Linear
 
-# Rows the packed layout is tuned for. Measured on a 129280 x 768 weight, 2 cores: packed for 1 row,
-# 4 rows cost 1.6x one; packed for 4 to 64, 1-8 rows cost the same and 16 rows 1.2-1.4x.
+# Rows the packed layout is tuned for: packed for 64, 1-8 rows cost the same (docs/passes.md).
 PACK_ROWS = 64
 
 

@@ -3,15 +3,11 @@
 The fixed-shape MoE every family shares (`models.layers.gathered_experts`) gathers each row's k experts and
 multiplies every (row, expert) pair on its own, so an expert chosen by several rows of a verify is
 read once for each of them. The op (ops/csrc/routed_experts.cpp) groups the rows by expert and reads
-each chosen expert once. Measured on 2 cores, the 7 MoE layers of the 250m preset (16 experts, 4 per
-row, 768 x 256), the kernel alone against Inductor's code for the gathered products: 1.8 / 5.5 /
-10.7 ms against 2.4 / 7.1 / 15.5 ms at 1 / 4 / 16 rows. In the 250m verify, timed in turns in one
-process, a verify of 4 rows took 1.1-2.2 ms less with the op, but one of 1 row 0.2-1.3 ms more (a call
-out of the generated code, where Inductor fuses the products with their neighbours), so layers on
-fewer than MIN_ROWS rows stay as they are. On weights of bfloat16 values (weights.py) one row goes to
-the op too: there Inductor's code for a one-row MoE layer is one kernel of some 35 barriers between
-small loops, and the shipped model's draft_decode (two one-row MoE layers) took 0.947x the time with
-the op (benchmarks/README.md).
+each chosen expert once. On one row the call out of the generated code, where Inductor fuses the
+products with their neighbours, costs more than it saves, so layers on fewer than MIN_ROWS rows stay
+as they are. On weights of bfloat16 values (weights.py) one row goes to the op too: there Inductor's
+code for a one-row MoE layer is one kernel of some 35 barriers between small loops. The measurements:
+docs/passes.md, group_experts.
 
 The products are found by provenance (region.py), each layer's as one connected region of nodes
 traced inside `gathered_experts`, with the function's six inputs and one output. Shapes tell the inputs apart but

@@ -2,8 +2,7 @@
 
 Static shapes make the traced attention (`models.deepseek_v3.latent_attention`) gather every one of
 a slot's max_seq_len cache entries and mask those past each row's position, so its cost follows the
-capacity, not the sequence: at max_seq_len 2048, a K=3 verify of the 250m preset at B=8 with 40
-tokens per request took 136 ms against 74 at max_seq_len 256. The op computes the same function over
+capacity, not the sequence. The op computes the same function over
 each request's entries up to the last one its rows see, reading them from the cache itself, so the
 graph's gather of every slot's whole cache goes as well.
 
@@ -18,12 +17,7 @@ of the queries; the region is replaced only where exactly one agrees. Anything e
 region as it was, with a log line.
 
 On CPU float32 the op is one C++ kernel call a layer (ops/csrc/live_attention.cpp), faster than the
-traced attention at every shape measured on the 250m preset's layer (12 heads, r = 256, dr = 32, 40
-entries live, ms traced / op): a verify of 4 rows at B=1 0.09 / 0.03 with max_seq_len 80 and 1.00 /
-0.03 with 2048, at B=8 0.30 / 0.16 and 8.28 / 0.18; a decode row at B=1 0.07 / 0.02. A prefill chunk
-of 64 rows costs what its live entries do: 0.5 ms after no tokens against 14.0 traced at max_seq_len
-2048, 13.7 after 1984 against 11.7 (MKL's products do that arithmetic faster), so about half the
-traced cost over a whole prompt.
+traced attention at every shape measured, a prefill chunk's included (docs/passes.md, live_attention).
 """
 
 from __future__ import annotations

@@ -1,40 +1,23 @@
 """Linears on a few rows become a multiply-and-sum that Inductor generates (CPU float32).
 
-A linear on a few rows is bound by reading its weight, which GEMM libraries do poorly at such row
-counts on this class of CPU, and which a reduction over `W[:, None, :] * x[None]` does at the
-memory's speed: each weight row is read once, in its stored layout, for all the rows, with no packed
-copy and no call out of the generated code, and Inductor fuses it with its neighbours. Measured on 2
-cores, the 129280 x 768 LM head read cold at 1 / 2 / 4 / 8 rows: this 11.0 / 11.6 / 12.2 / 32.0 ms,
-oneDNN's packed GEMM (the packed_linear pass) 15.8 / 21.0 / 12.6 / 15.3 ms, MKL's F.linear 34.9 /
-76.1 / 72.7 / 73.1 ms; on the 250m preset a verify of 1 row took 16.9 ms instead of 28.2 and one of
-4 rows 29.3 instead of 34.5, and on the shipped model 2.6 instead of 4.9 and 3.2 instead of 6.7.
-So every linear of at most NARROW_ROWS rows is rewritten here, before packed_linear, which takes
+A linear on a few rows is bound by reading its weight. GEMM libraries do that poorly at such row
+counts on this class of CPU; a reduction over `W[:, None, :] * x[None]` reads each weight row once, in
+its stored layout, for all the rows, calls nothing outside the generated code and fuses with its
+neighbours. So every linear of at most NARROW_ROWS rows is rewritten here, before packed_linear takes
 the large ones on more rows.
 
-Batched products (bmm) of at most NARROW_ROWS rows get the same rewrite: MLA's absorbed attention,
-where live_attention's op does not take it (the pass off, a graph not in float32), multiplies each
-head's rows by that head's slice of kv_b_proj, and at 4 rows Inductor leaves that to
-MKL's bmm, which took 0.48-0.93 ms for the 8 layers of the 250m preset against 0.41-0.47 ms as a
-multiply-and-sum (a 4-row verify of the 250m preset, timed in turns: 0.2-0.9 ms faster). So do
-those of up to 16 rows on small slices (SMALL_BMM_WEIGHT elements: the shipped model's 4 x 32 x 64),
-where MKL's call is most of the cost: the shipped model's verify at B=4 took 0.970x (K=1, 8 rows)
-and 0.977x (K=3, 16 rows) the time with MKL's bmm (benchmarks/README.md). The 250m preset's slices
-(12 x 64 x 256) do 24x the arithmetic a row; not measured there, they stay with MKL from 5 rows on.
+- Batched products (bmm) of at most NARROW_ROWS rows get the same rewrite (MLA's absorbed attention
+  where live_attention does not take it), and so do those of up to SMALL_BMM_ROWS rows on small
+  slices, where MKL's call costs more than the arithmetic.
+- Linears of 2-4 rows on weights of KERNEL_WEIGHT elements or more go to `compiled_mtp::panel_linear`
+  instead (panel_linear.py), which keeps every output lane's sum in its own register where
+  Inductor's loop reduces each output across lanes. Smaller weights stay here: their call would cost
+  more than their arithmetic saves.
+- One row stays here, fused with the final norm, unless the weights hold bfloat16 values
+  (weights.py): then the op reads bfloat16 panels, half the bytes, which pays for the call, and at
+  2-4 rows it takes weights down to BFLOAT16_FEW_ROW_KERNEL_WEIGHT elements.
 
-Linears of 2-4 rows on weights of KERNEL_WEIGHT elements or more go to
-`compiled_mtp::panel_linear` instead (ops/csrc/panel_linear.cpp, see panel_linear.py), which keeps
-every output lane's sum in its own register where Inductor's loop sums each output in one chain and
-reduces it across lanes. The shipped model's 4096 x 256 LM head, read cold at 2 / 4 rows, took 169 /
-187 us that way against 233 / 239 us with the few-row kernel that had this place before
-(benchmarks/bench_linear_rows.py), which in turn had made a 4-row verify of the 250m preset 23.0-23.9
-ms against Inductor's 27.1-27.8 (LM head alone) when this machine's memory was fast. At 2^17
-elements the shipped model's MLP weights went too and its 4-row verify took 1.53 ms against 1.43:
-there the call costs more than the arithmetic saves. At 1 row a separate call made the 250m verify
-1.2-2.5 ms slower (Inductor's code fuses the LM head with the final norm), so 1 row stays here,
-unless the weights hold bfloat16 values (passes/weights.py): then the op reads bfloat16 panels, half
-the bytes, which pays for the call (docs/passes.md). On such weights at 2-4 rows the op also takes
-weights down to BFLOAT16_FEW_ROW_KERNEL_WEIGHT elements, the shipped model's attention projections
-(measured in benchmarks/README.md).
+The measurements behind each threshold: docs/passes.md, narrow_linear and panel_linear.
 """
 
 from __future__ import annotations

@@ -980,7 +980,15 @@ def precision(m: Meta) -> str:
 
 def print_report(r: BenchResult) -> None:
     """The tables and the goals, for people."""
-    m, bound = r.meta, r.bound
+    _print_header(r.meta)
+    _print_acceptance(r.meta, r.acceptance)
+    _print_systems(r)
+    _print_bound(r.meta, r.bound)
+    print(f"compiles {r.meta.compiles}, recompiles {r.meta.recompiles}")
+    _print_goals(r.goals)
+
+
+def _print_header(m: Meta) -> None:
     print(f"\ncompiled_mtp bench: {m.model}")
     drafts = f"; drafts among the {m.draft_vocab} most frequent tokens" if m.draft_vocab else ""
     print(
@@ -988,13 +996,20 @@ def print_report(r: BenchResult) -> None:
         f"; {m.new_tokens} new tokens, greedy; best of {m.runs}{drafts}"
     )
     print(f"prompts: {m.prompts}")
+
+
+def _print_acceptance(m: Meta, acceptance: list[Acceptance]) -> None:
     print(f"\nacceptance on {m.accept_prompts} prompts")
     print(f"{'K':>3}{'acc len':>9}{'rate':>7}  per position")
-    for a in r.acceptance:
+    for a in acceptance:
         print(
             f"{a.k:>3}{a.acceptance_length:>9.2f}{a.acceptance_rate:>7.2f}  "
             + " ".join(f"{p:.2f}" for p in a.per_position)
         )
+
+
+def _print_systems(r: BenchResult) -> None:
+    """The engine's rows, then HF's and the peers'."""
     print(
         f"\n{'system':<30}{'B':>3}{'tok/s':>10}{'decode':>9}{'bound':>8}{'ms/iter':>9}{'host ms':>9}{'host %':>8}"
         f"{'acc len':>9}"
@@ -1018,6 +1033,10 @@ def print_report(r: BenchResult) -> None:
         )
         drafts = f"; accepted {p.accepted} of {p.drafted} drafts" if p.drafted is not None else ""
         print(f"{p.system:<30}{p.batch:>3}{p.tokens_per_s:>10.1f}  {same}{drafts}")
+
+
+def _print_bound(m: Meta, bound: Bound) -> None:
+    """The bandwidth bound's inputs, the experts a verify reads, and the roofline's."""
     per_draft_step = ", ".join(f"{x / 1e6:.2f}" for x in bound.mtp_step_bytes) or "-"
     read = first_depth_bytes(bound.target_bytes, bound.mtp_step_bytes)
     used = (
@@ -1055,9 +1074,11 @@ def print_report(r: BenchResult) -> None:
             f"({bound.extend_row_flops / 1e6:.2f} of them on every row of a draft extend); "
             + ", ".join(f"K/B={kb}: {s:.0f} steps/s" for kb, s in bound.roofline_steps_per_s.items())
         )
-    print(f"compiles {m.compiles}, recompiles {m.recompiles}")
+
+
+def _print_goals(goals: list[Goal]) -> None:
     print("\ngoals:")
-    for g in r.goals:
+    for g in goals:
         percent = g.id == "k1_acceptance" or g.id.startswith("bound_fraction")
         value = "n/a" if g.value is None else f"{100 * g.value:.0f}%" if percent else f"{g.value:.2f}x"
         target = (
@@ -1301,7 +1322,27 @@ def run(args: argparse.Namespace) -> None:
     prompts = bench_prompts(
         args.model, model.cfg.vocab_size, max(args.accept_prompts, timed), args.prompt_len
     )
-    meta = Meta(
+    meta = _meta(args, prompts, hf_version)
+    print(f"benchmarking {args.model} on {meta.device_name}; prompts: {prompts.detail}", flush=True)
+    with tempfile.TemporaryDirectory() as folder:
+        systems = _llama_cpp(args, model.model_type, Path(folder))
+        acceptance, engine, peers, meta.compiles, meta.recompiles = bench_engine(
+            model, prompts, args, systems
+        )
+        del systems
+    reads = _model_reads(model, prompts, args)
+    del model  # HF loads its own copy next
+    hf, meta.hf_attention = bench_hf(args.model, prompts.token_ids, args)
+    bound = _bound(reads, args)
+    add_bounds(engine, bound)
+    result = BenchResult(meta, acceptance, engine, hf, bound, peers, [])
+    result.goals = goals(result)
+    print_report(result)
+    _write(result, args)
+
+
+def _meta(args: argparse.Namespace, prompts: Prompts, hf_version: str) -> Meta:
+    return Meta(
         model=str(args.model),
         device=args.device,
         device_name=device_name(args.device),
@@ -1323,40 +1364,49 @@ def run(args: argparse.Namespace) -> None:
         draft_vocab=args.draft_vocab,
         bfloat16_mlps=args.device == "cpu" and args.dtype == "float32" and library.bfloat16_products(),
     )
-    print(f"benchmarking {args.model} on {meta.device_name}; prompts: {prompts.detail}", flush=True)
-    with tempfile.TemporaryDirectory() as folder:
-        systems = _llama_cpp(args, model.model_type, Path(folder))
-        acceptance, engine, peers, meta.compiles, meta.recompiles = bench_engine(
-            model, prompts, args, systems
-        )
-        del systems
+
+
+@dataclass
+class _Reads:
+    """What the bound needs from the model, taken before it is freed: weight bytes and multiply-adds,
+    and the routed experts' bytes and counts on the prompts."""
+
+    target_bytes: int
+    mtp_bytes: list[int]
+    flops: tuple[int, list[int], int]
+    routing: Routing
+    routed: dict[str, int]
+
+
+def _model_reads(model: CausalLM, prompts: Prompts, args: argparse.Namespace) -> _Reads:
     target_bytes, mtp_bytes = weight_bytes(model)
-    flops = weight_flops(model)
     routing = record(model, prompts.token_ids, max(args.depths))
     routed = routed_bytes(routing, args.depths, args.batch_sizes, extend_experts_every_row(model))
-    del model  # HF loads its own copy next
-    hf, meta.hf_attention = bench_hf(args.model, prompts.token_ids, args)
+    return _Reads(target_bytes, mtp_bytes, weight_flops(model), routing, routed)
+
+
+def _bound(reads: _Reads, args: argparse.Namespace) -> Bound:
+    """The bandwidth bound and the roofline, from this machine's measured rates."""
     bandwidth = copy_bandwidth(args.device, args.copy_mb)
-    resident = resident_bandwidth(args.device, first_depth_bytes(target_bytes, mtp_bytes))
+    resident = resident_bandwidth(args.device, first_depth_bytes(reads.target_bytes, reads.mtp_bytes))
     bound = bandwidth_bound(
-        target_bytes,
-        mtp_bytes,
+        reads.target_bytes,
+        reads.mtp_bytes,
         bandwidth,
         args.copy_mb * 2**20,
         resident,
         args.depths,
         args.batch_sizes,
-        routed,
+        reads.routed,
     )
-    bound.expert_count = routing.target[0].expert_count() if routing.target else 0
-    bound.verify_experts = verify_experts(routing, args.depths, args.batch_sizes)
-    del routing
+    bound.expert_count = reads.routing.target[0].expert_count() if reads.routing.target else 0
+    bound.verify_experts = verify_experts(reads.routing, args.depths, args.batch_sizes)
     dtype = DTYPES[args.dtype]
-    add_roofline(bound, flops, gemm_rate(args.device, dtype), tile_rate(args.device, dtype))
-    add_bounds(engine, bound)
-    result = BenchResult(meta, acceptance, engine, hf, bound, peers, [])
-    result.goals = goals(result)
-    print_report(result)
+    add_roofline(bound, reads.flops, gemm_rate(args.device, dtype), tile_rate(args.device, dtype))
+    return bound
+
+
+def _write(result: BenchResult, args: argparse.Namespace) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"bench-{torch.device(args.device).type}"
     stem.with_suffix(".json").write_text(json.dumps(asdict(result), indent=1) + "\n")

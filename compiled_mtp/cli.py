@@ -473,158 +473,188 @@ def build_parser() -> argparse.ArgumentParser:
         prog="compiled-mtp", description="MTP speculative decoding on captured torch.compile graphs"
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    for add in (
+        _generate_parser,
+        _random_checkpoint_parser,
+        _demo_parser,
+        _calibrate_parser,
+        _capture_parser,
+        _serve_parser,
+        _inspect_parser,
+        _export_gguf_parser,
+        _bench_parser,
+    ):
+        add(sub)
+    return parser
 
-    g = sub.add_parser("generate", help="generate from a prompt, or from each line of a file")
-    g.add_argument(
+
+def _generate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate from a prompt, or from each line of a file")
+    p.add_argument(
         "prompt",
         nargs="?",
         help="text (when the model has a tokenizer) or token ids, e.g. '1 2 3' with --ids",
     )
-    g.add_argument(
+    p.add_argument(
         "--prompts-file",
         type=Path,
         metavar="FILE",
         help="one prompt per line, all queued at once (default: none)",
     )
-    g.add_argument(
+    p.add_argument(
         "--ids",
         action="store_true",
         help="prompts are token ids (default: text, when the model has a tokenizer)",
     )
-    _add_model_options(g)
-    g.add_argument(
+    _add_model_options(p)
+    p.add_argument(
         "--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default: %(default)s)"
     )
-    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
-    g.add_argument(
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
+    p.add_argument(
         "--top-k",
         type=int,
         default=0,
         help="sample among the k most likely tokens; 0 = all (default: %(default)s)",
     )
-    g.add_argument(
+    p.add_argument(
         "--top-p", type=float, default=1.0, help="sample within this probability mass (default: %(default)s)"
     )
-    g.add_argument(
+    p.add_argument(
         "--seed", type=int, help="seed of the sampled tokens, in [0, 2**63 - 1] (default: the runtime's)"
     )
-    g.add_argument(
+    p.add_argument(
         "--stop",
         action="append",
         default=[],
         metavar="TEXT",
         help="end the output before this text (repeatable; matched on the decoded text) (default: none)",
     )
-    g.add_argument(
+    p.add_argument(
         "--stream", action="store_true", help="write tokens as they are committed (default: when done)"
     )
-    _add_engine_options(g)
-    _add_cache_option(g, optional=True)
-    g.set_defaults(func=cmd_generate)
+    _add_engine_options(p)
+    _add_cache_option(p, optional=True)
+    p.set_defaults(func=cmd_generate)
 
-    r = sub.add_parser(
+
+def _random_checkpoint_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
         "random-checkpoint",
         help="write a random checkpoint of a preset's shape (DeepSeek-V3, GLM-4 MoE or DeepSeek-V4)",
     )
-    r.add_argument(
+    p.add_argument(
         "--preset",
         choices=sorted(PRESETS),
         default="tiny",
         help="model family and size: glm-* are GLM-4 MoE, the others DeepSeek-V3 (default: %(default)s)",
     )
-    r.add_argument("--out", required=True, type=Path, help="directory to write")
-    r.add_argument(
+    p.add_argument("--out", required=True, type=Path, help="directory to write")
+    p.add_argument(
         "--seed", type=int, default=0, help="seed of the weights, in [0, 2**63 - 1] (default: %(default)s)"
     )
-    r.set_defaults(func=cmd_random_checkpoint)
+    p.set_defaults(func=cmd_random_checkpoint)
 
-    d = sub.add_parser("demo", help="generate with and without MTP on the shipped model")
-    d.add_argument(
+
+def _demo_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="generate with and without MTP on the shipped model")
+    p.add_argument(
         "--max-new-tokens", type=int, default=64, help="tokens per timed run (default: %(default)s)"
     )
-    _add_engine_options(d)
-    _add_cache_option(d, optional=True)
-    d.set_defaults(func=cmd_demo)
+    _add_engine_options(p)
+    _add_cache_option(p, optional=True)
+    p.set_defaults(func=cmd_demo)
 
-    cal = sub.add_parser("calibrate", help="rank the model's tokens by frequency in text, for --draft-vocab")
-    cal.add_argument(
+
+def _calibrate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("calibrate", help="rank the model's tokens by frequency in text, for --draft-vocab")
+    p.add_argument(
         "--model", type=Path, default=DEFAULT_MODEL, help="checkpoint directory (default: the shipped model)"
     )
-    cal.add_argument(
+    p.add_argument(
         "--text", type=Path, nargs="+", required=True, help="UTF-8 text files like those the model will serve"
     )
-    cal.set_defaults(func=cmd_calibrate)
+    p.set_defaults(func=cmd_calibrate)
 
-    c = sub.add_parser("capture", help="pre-build every graph of a capture profile into a cache")
-    c.add_argument("--profile", required=True, type=Path, help="e.g. profiles/default-cpu.toml")
-    c.add_argument("--model", type=Path, help="checkpoint directory (default: the profile's model)")
-    c.add_argument(
+
+def _capture_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("capture", help="pre-build every graph of a capture profile into a cache")
+    p.add_argument("--profile", required=True, type=Path, help="e.g. profiles/default-cpu.toml")
+    p.add_argument("--model", type=Path, help="checkpoint directory (default: the profile's model)")
+    p.add_argument(
         "--processes",
         type=int,
         default=os.cpu_count() or 1,
         metavar="N",
         help="build in up to N processes at once, each a graph at a time (default: %(default)s, one per core)",
     )
-    _add_engine_options(c, backend=False)
-    _add_cache_option(c)
-    c.set_defaults(func=cmd_capture)
+    _add_engine_options(p, backend=False)
+    _add_cache_option(p)
+    p.set_defaults(func=cmd_capture)
 
-    sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the serve extra)")
-    _add_model_options(sv)
-    sv.add_argument(
+
+def _serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the serve extra)")
+    _add_model_options(p)
+    p.add_argument(
         "--batch-sizes",
         type=_int_list,
         metavar="B,B",
         help="batch buckets to capture; the largest is the number of slots (default: the profile's, else 1)",
     )
-    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    sv.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
-    sv.add_argument(
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    p.add_argument(
         "--api-key", help="require `Authorization: Bearer KEY` on every path but /health (default: none)"
     )
-    sv.add_argument(
+    p.add_argument(
         "--max-queue",
         type=int,
         default=256,
         metavar="N",
         help="requests that may wait for a slot; more are answered 429 (default: %(default)s)",
     )
-    _add_engine_options(sv)
-    _add_cache_option(sv, optional=True)
-    sv.set_defaults(func=cmd_serve)
+    _add_engine_options(p)
+    _add_cache_option(p, optional=True)
+    p.set_defaults(func=cmd_serve)
 
-    i = sub.add_parser("inspect", help="list the graphs a capture cache holds")
-    _add_cache_option(i)
-    i.set_defaults(func=cmd_inspect)
 
-    x = sub.add_parser(
+def _inspect_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("inspect", help="list the graphs a capture cache holds")
+    _add_cache_option(p)
+    p.set_defaults(func=cmd_inspect)
+
+
+def _export_gguf_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
         "export-gguf",
         help="write the model for llama.cpp (GGUF: deepseek2 for DeepSeek-V3, glm4moe for GLM-4 MoE)",
     )
-    x.add_argument(
+    p.add_argument(
         "--model", type=Path, default=DEFAULT_MODEL, help="checkpoint directory (default: the shipped model)"
     )
-    x.add_argument("--out", type=Path, required=True, help="the .gguf file to write")
-    x.add_argument(
+    p.add_argument("--out", type=Path, required=True, help="the .gguf file to write")
+    p.add_argument(
         "--dtype",
         choices=sorted(GGUF_DTYPES),
         default="f32",
         help="storage type of the weight matrices (default: f32)",
     )
-    x.add_argument(
+    p.add_argument(
         "--with-mtp",
         action="store_true",
         help="also write the MTP layers as llama.cpp's NextN blocks, for its MTP drafting "
         "(default: the target model only)",
     )
-    x.set_defaults(func=cmd_export_gguf)
+    p.set_defaults(func=cmd_export_gguf)
 
-    b = sub.add_parser(
+
+def _bench_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
         "bench", help="acceptance and tokens/s against HF transformers and the bandwidth bound"
     )
-    bench.add_arguments(b)
-    b.set_defaults(func=bench.run)
-    return parser
+    bench.add_arguments(p)
+    p.set_defaults(func=bench.run)
 
 
 def main(argv: list[str] | None = None) -> None:

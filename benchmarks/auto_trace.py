@@ -25,7 +25,8 @@ from collections.abc import Sequence
 
 import torch
 
-from compiled_mtp.bench import _runtimes, add_arguments, bench_prompts, timed_batches, timed_prompts
+from compiled_mtp.bench import add_arguments, bench_prompts, timed_batches, timed_prompts
+from compiled_mtp.bench.engine import _runtimes
 from compiled_mtp.capture import parallel
 from compiled_mtp.depth_policy import DepthPolicy
 from compiled_mtp.models.checkpoint import load_model

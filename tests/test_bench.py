@@ -16,9 +16,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from compiled_mtp import bench, llama_cpp_peer
+from compiled_mtp.bench import engine
+from compiled_mtp.bench.goals import _speedup_goal
 from compiled_mtp.capture.profile import DEFAULT_MODEL
 from compiled_mtp.cli import main
 from compiled_mtp.models.gguf_export import LAYOUTS
+from compiled_mtp.runtime import Runtime
 from tests.checkpoints import write_echo_checkpoint
 from tests.precision import bfloat16_mlps, needs_bfloat16_dot
 
@@ -224,8 +227,8 @@ def test_every_graph_is_ready_before_any_generation(echo_checkpoint, monkeypatch
 
         return checked
 
-    monkeypatch.setattr(bench, "timed_generate", ready_first(bench.timed_generate))
-    monkeypatch.setattr(bench.Runtime, "generate", ready_first(bench.Runtime.generate))
+    monkeypatch.setattr(engine, "timed_generate", ready_first(engine.timed_generate))
+    monkeypatch.setattr(Runtime, "generate", ready_first(Runtime.generate))
     args = _args("--backend", "eager", "--new-tokens", str(NEW_TOKENS), "--runs", "1", "--accept-prompts", "1",
                  "--timed-prompts", "2", "--depths", "0", "2", "--batch-sizes", "2")  # fmt: skip
     prompts = bench.Prompts([[1, 2, 3, 4]] * 2, "random", "2 random prompts")
@@ -447,7 +450,7 @@ def test_the_speedup_goal_names_the_most_the_roofline_allows():
         row = bench.EngineRun(k, 1, rate, rate, 1.0, 1.0, 0.0, 0.0, 1.0, 1, decode_runs=[rate])
         row.speedup, row.roofline_speedup = rate / 1000.0, roof
         rows.append(row)
-    speedup = bench._speedup_goal(rows, 1, 1.8)[0]
+    speedup = _speedup_goal(rows, 1, 1.8)[0]
     assert speedup.value == pytest.approx(1.44) and speedup.met is False
     assert speedup.detail.startswith("K=2: 1440.0 vs 1000.0 decode tok/s")
     # Auto's 1.9x is left out: its roofline is its best fixed depth's.
@@ -462,8 +465,8 @@ def test_the_bound_goal_judges_the_fastest_drafting_configuration():
         row = bench.EngineRun(k, 4, rate, rate, 1.0, 1.0, 0.0, 0.0, 1.0, 1, decode_runs=[rate])
         row.speedup, row.bound_speedup, row.bound_fraction = rate / 1000.0, 1.7, fraction
         rows.append(row)
-    speedup, share = bench._speedup_goal(rows, 4, 1.3)
+    speedup, share = _speedup_goal(rows, 4, 1.3)
     assert speedup.detail.startswith("K=0:") and speedup.met is False
     assert share.value == pytest.approx(0.57) and share.met is False
     assert share.detail.startswith("K=1: 0.98x of a bound of 1.70x")
-    assert bench._speedup_goal(rows[:1], 4, 1.3)[0].value is None  # K=0 alone: nothing drafted
+    assert _speedup_goal(rows[:1], 4, 1.3)[0].value is None  # K=0 alone: nothing drafted

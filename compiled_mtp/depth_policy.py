@@ -190,7 +190,7 @@ class DepthPolicy:
 
     def record_cost(self, bucket: int, depth: int, seconds: float) -> None:
         """A step's wall time. Only a step at the depth of the bucket's step before it counts: the
-        first step after a change takes longer than the held steps after it (the module's docstring)."""
+        first step after a change takes longer than the held steps after it (docs/design.md, "Cost")."""
         key = (bucket, depth)
         self._seen[key] += 1
         steady, self._last[bucket] = self._last.get(bucket) == depth, depth
@@ -267,7 +267,8 @@ class DepthPolicy:
                 return (loading or untried)[0]  # each key's first timing back to back, at one speed
             self._timed.add(bucket)  # a cost, once measured, is only ever replaced
         # The choice rests on the requests' rates, the drafts tested, the costs and, through the cap,
-        # the tokens each still wants (the module's docstring: a batch holding depth 0 moves none).
+        # the tokens each still wants (docs/design.md, "The policy's own time": a batch holding depth 0
+        # moves none).
         self.current = self._held_by.get(bucket, self.current)
         value, ahead, columns = self._valued(bucket, rates, remaining)
         best = max(value, key=value.__getitem__)

@@ -13,7 +13,9 @@ from transformers.cache_utils import MtpCache
 from transformers.modeling_layers import MtpModel
 
 from compiled_mtp import Runtime, SamplingParams
-from compiled_mtp.hf_baseline import hf_generate
+from compiled_mtp.hf_baseline import hf_generate, load_hf
+from compiled_mtp.models.checkpoint import load_model
+from compiled_mtp.reference import reference_generate
 
 
 @torch.no_grad()
@@ -78,6 +80,17 @@ def assert_depth_switching_matches_hf(path: str, hf: torch.nn.Module, prompts: l
     assert kinds == {"prefill", "draft_decode", "target_verify", "draft_extend", "mtp_catch_up"}
     assert {key.batch for key in rt.graphs.replays if key.kind.name == "target_verify"} == {1, 2}
     assert rt.stats()["recompiles"] == 0
+
+
+def assert_reference_matches_hf(
+    path: str, prompts: list[list[int]], new_tokens: int, depths: int = 5
+) -> None:
+    """The eager reference loop's greedy tokens at every depth below `depths` are HF generate's."""
+    hf, ours = load_hf(path), load_model(path)
+    expected = [hf_greedy(hf, p, new_tokens) for p in prompts]
+    for k in range(depths):
+        got = [o.token_ids for o in reference_generate(ours, prompts, new_tokens, k)]
+        assert got == expected, f"K={k}"
 
 
 def assert_buckets_match_hf(path: str, hf: torch.nn.Module, prompts: list[list[int]], k: int) -> None:

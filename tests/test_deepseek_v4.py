@@ -21,10 +21,15 @@ from compiled_mtp.hf_baseline import load_hf
 from compiled_mtp.models.checkpoint import load_model
 from compiled_mtp.models.config import CheckpointError
 from compiled_mtp.models.deepseek_v4 import DeepseekV4Config
-from compiled_mtp.reference import reference_generate
 from tests import checkpoints, corruption
 from tests import test_distribution as distribution
-from tests.oracle import assert_buckets_match_hf, assert_depth_switching_matches_hf, hf_greedy, hf_logits
+from tests.oracle import (
+    assert_buckets_match_hf,
+    assert_depth_switching_matches_hf,
+    assert_reference_matches_hf,
+    hf_greedy,
+    hf_logits,
+)
 from tests.test_acceptance import MAX_NEW, assert_acceptance_parity
 from tests.test_engine import JOIN_LEAVE, assert_join_leave_parity, assert_padded_rows_write_only_scratch
 from tests.test_models import ATOL, RTOL, engine_logits
@@ -148,13 +153,9 @@ def test_bfloat16_runtime_greedy_equals_hf_bfloat16(v4_path):
 def test_reference_greedy_equals_hf_generate_for_every_depth(config, lengths):
     with tempfile.TemporaryDirectory() as tmp:
         path = write_v4_checkpoint(tmp, config, seed=5)
-        hf, ours = load_hf(path), load_model(path)
-        prompts = [_tokens(config.vocab_size, n, seed=n) for n in lengths]
-        expected = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
-        for k in range(5):
-            assert [o.token_ids for o in reference_generate(ours, prompts, NEW_TOKENS, k)] == expected, (
-                f"K={k}"
-            )
+        assert_reference_matches_hf(
+            path, [_tokens(config.vocab_size, n, seed=n) for n in lengths], NEW_TOKENS
+        )
 
 
 @pytest.mark.parametrize("k", range(5))

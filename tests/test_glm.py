@@ -33,6 +33,7 @@ from tests.glm_factory import (
 from tests.oracle import (
     assert_buckets_match_hf,
     assert_depth_switching_matches_hf,
+    assert_reference_matches_hf,
     hf_greedy,
     hf_logits,
     hf_mtp_draft_logits,
@@ -93,13 +94,7 @@ def test_target_and_mtp_logits_match_hf(config):
 def test_reference_greedy_equals_hf_generate_for_every_depth(config, lengths):
     with tempfile.TemporaryDirectory() as tmp:
         path = write_glm_checkpoint(tmp, config, seed=5)
-        hf, ours = load_hf(path), load_model(path)
-        prompts = _prompts(config.vocab_size, lengths, seed=len(lengths))
-        expected = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
-        for k in range(5):
-            assert [o.token_ids for o in reference_generate(ours, prompts, NEW_TOKENS, k)] == expected, (
-                f"K={k}"
-            )
+        assert_reference_matches_hf(path, _prompts(config.vocab_size, lengths, seed=len(lengths)), NEW_TOKENS)
 
 
 @pytest.mark.parametrize("k", range(5))

@@ -14,7 +14,7 @@ from compiled_mtp.hf_baseline import hf_mtp_generate, load_hf
 from compiled_mtp.models.checkpoint import load_model
 from compiled_mtp.reference import reference_generate
 from tests.checkpoints import write_checkpoint, write_echo_checkpoint
-from tests.oracle import hf_greedy
+from tests.oracle import assert_reference_matches_hf
 from tests.strategies import FULL_FEATURED_CONFIGS, config_strategy
 
 NEW_TOKENS = 12
@@ -32,12 +32,7 @@ def _prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
 def test_greedy_equals_hf_generate_for_every_depth(config, lengths):
     with tempfile.TemporaryDirectory() as tmp:
         path = write_checkpoint(tmp, config, seed=5)
-        hf, ours = load_hf(path), load_model(path)
-        prompts = _prompts(config.vocab_size, lengths, seed=len(lengths))
-        expected = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
-        for k in range(5):
-            got = [o.token_ids for o in reference_generate(ours, prompts, NEW_TOKENS, k)]
-            assert got == expected, f"K={k}"
+        assert_reference_matches_hf(path, _prompts(config.vocab_size, lengths, seed=len(lengths)), NEW_TOKENS)
 
 
 @pytest.mark.parametrize("mtp_noise", [0.0, 0.3, 0.5])

@@ -64,18 +64,14 @@ and a plot to OUT/bench-<device type>.png.
 from __future__ import annotations
 
 from .bound import (
-    add_bounds,
     add_roofline,
     bandwidth_bound,
-    copy_bandwidth,
     extend_experts_every_row,
-    first_depth_bytes,
     gemm_rate,
     resident_bandwidth,
     routed_bytes,
     step_sizes,
     tile_rate,
-    verify_experts,
     weight_bytes,
     weight_flops,
 )
@@ -90,41 +86,26 @@ from .engine import (
     timed_prompts,
     turns,
 )
-from .goals import goals, paired_ratio, round_ratios
-from .hf import bench_hf
+from .goals import paired_ratio, round_ratios
 from .prompts import Prompts, bench_prompts
-from .report import plot, print_report
-from .results import Acceptance, BenchResult, Bound, EngineRun, Goal, HFRun, Meta, PeerRun
+from .results import EngineRun
 from .timing import best_of
 
+# What benchmarks/ and tests/ use; the rest is imported from its module.
 __all__ = [
-    "Acceptance",
-    "BenchResult",
-    "Bound",
     "EngineRun",
-    "Goal",
-    "HFRun",
-    "Meta",
-    "PeerRun",
     "Prompts",
     "Timing",
     "add_arguments",
-    "add_bounds",
     "add_roofline",
     "bandwidth_bound",
     "bench_engine",
-    "bench_hf",
     "bench_prompts",
     "best_of",
-    "copy_bandwidth",
     "extend_experts_every_row",
-    "first_depth_bytes",
     "gemm_rate",
-    "goals",
     "paired_ratio",
     "peer_run",
-    "plot",
-    "print_report",
     "resident_bandwidth",
     "round_ratios",
     "routed_bytes",
@@ -136,7 +117,6 @@ __all__ = [
     "timed_generate",
     "timed_prompts",
     "turns",
-    "verify_experts",
     "weight_bytes",
     "weight_flops",
 ]

@@ -17,6 +17,7 @@ from .capture.compiler import progress
 from .capture.profile import DEFAULT_MODEL, PROFILES, Profile, ProfileError, load_profile
 from .depth_policy import depth_arg
 from .detokenize import IncrementalText
+from .folders import not_a_folder, writable_folder
 from .graphs.plan import example_inputs
 from .graphs.state import LAG_WINDOW
 from .models.config import CheckpointError
@@ -196,11 +197,14 @@ def cmd_random_checkpoint(args: argparse.Namespace) -> None:
     if not 0 <= args.seed <= MAX_SEED:
         raise ValueError(f"seed: must be in [0, 2**63 - 1], got {args.seed}")
     config = preset_config(args.preset)
-    path = write_random_checkpoint(args.out, config, seed=args.seed)
+    path = write_random_checkpoint(writable_folder(args.out, "out"), config, seed=args.seed)
     print(f"wrote a random {args.preset!r} {family_of(config).name} checkpoint to {path}")
 
 
 def cmd_export_gguf(args: argparse.Namespace) -> None:
+    if args.out.is_dir():
+        raise ValueError(f"out: {args.out} is a directory; name the .gguf file to write")
+    writable_folder(args.out.parent, "out")
     try:
         path = export_gguf(args.model, args.out, args.dtype, with_mtp=args.with_mtp)
     except ImportError as e:
@@ -370,9 +374,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 def cmd_inspect(args: argparse.Namespace) -> None:
     root = Path(args.cache_dir).expanduser()
     if not root.is_dir():
-        raise ValueError(
-            f"cache_dir: {root} " + ("is not a directory" if root.exists() else "does not exist")
-        )
+        raise ValueError(not_a_folder(root, "cache_dir") or f"cache_dir: {root} does not exist")
     artifacts = GraphCache(root).artifacts(environment)
     if not artifacts:
         print(f"{root}: no captured graphs")
@@ -667,6 +669,12 @@ def main(argv: list[str] | None = None) -> None:
     except (ArtifactError, CheckpointError, ProfileError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    except OSError as e:  # a file the command could not check for before its work: disk full, say
+        print(f"error: {e.filename}: {e.strerror}" if e.filename else f"error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":

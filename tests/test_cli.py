@@ -229,6 +229,70 @@ def test_cache_paths_that_are_files_or_missing(text_model, tmp_path, capsys):
     assert not (tmp_path / "none").exists()
 
 
+@pytest.mark.parametrize(
+    "command,out,message",
+    [
+        (
+            ["random-checkpoint", "--preset", "tiny"],
+            "file/ckpt",
+            "out: {file}/ckpt: {file} is not a directory",
+        ),
+        (["random-checkpoint", "--preset", "tiny"], "file", "out: {file} is not a directory"),
+        (["export-gguf"], "file/m.gguf", "out: {file} is not a directory"),
+        (["export-gguf"], ".", "out: {tmp} is a directory; name the .gguf file to write"),
+        (
+            ["bench", "--depths", "0", "--batch-sizes", "1"],
+            "file/results",
+            "out: {file}/results: {file} is not a directory",
+        ),
+        (
+            ["bench", "--depths", "0", "--batch-sizes", "1"],
+            "/proc/results",
+            "out: cannot write into /proc/results (.*)",
+        ),
+    ],
+)
+def test_an_output_path_that_cannot_be_written_fails_before_the_work(
+    tmp_path, capsys, monkeypatch, command, out, message
+):
+    """Checked before a model loads: a bench's folder that cannot be written would otherwise lose its
+    run at the end."""
+    file = tmp_path / "file"
+    file.write_text("")
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the model loaded before the output path was checked")
+
+    monkeypatch.setattr("compiled_mtp.bench.command.load_model", loaded)
+    monkeypatch.setattr("compiled_mtp.models.gguf_export.load_model", loaded)
+    monkeypatch.setattr("compiled_mtp.models.synthetic.save_checkpoint", loaded)
+    err = _fails([*command, "--out", str(tmp_path / out)], capsys)
+    expected = message.format(file=re.escape(str(file)), tmp=re.escape(str(tmp_path)))
+    assert re.fullmatch("error: " + expected, err), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+@pytest.mark.parametrize(
+    "raised,line,code",
+    [
+        (
+            OSError(28, "No space left on device", "/data/m.gguf"),
+            "error: /data/m.gguf: No space left on device",
+            1,
+        ),
+        (KeyboardInterrupt(), "interrupted", 130),
+    ],
+)
+def test_what_a_command_could_not_check_first_is_one_line(monkeypatch, capsys, raised, line, code):
+    def export(*args, **kwargs):
+        raise raised
+
+    monkeypatch.setattr("compiled_mtp.cli.export_gguf", export)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["export-gguf", "--out", "m.gguf"])
+    assert exit_info.value.code == code and capsys.readouterr().err == line + "\n"
+
+
 @pytest.mark.parametrize("kind", ["read-only directory", "path nobody may create"])
 def test_an_unwritable_cache_falls_back_to_in_process_graphs(text_model, tmp_path, caplog, kind):
     if kind == "read-only directory":

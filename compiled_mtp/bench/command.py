@@ -17,6 +17,7 @@ from ..capture.cache import user_cache
 from ..capture.compiler import BACKENDS
 from ..capture.profile import DEFAULT_MODEL
 from ..expert_reads import Routing, record
+from ..folders import writable_folder
 from ..llama_cpp_peer import LlamaCpp, LlamaCppMTP
 from ..models.checkpoint import load_model
 from ..models.draft_vocab import read_ranking
@@ -96,6 +97,7 @@ def _check(args: argparse.Namespace) -> None:
     if args.draft_vocab is not None and args.draft_vocab < 1:
         raise ValueError(f"draft-vocab: must be >= 1, got {args.draft_vocab}")
     check_device(args.device)
+    writable_folder(args.out, "out")  # made now: a folder it cannot write would lose the run at its end
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from compiled_mtp.file_lock import exclusive
+from compiled_mtp.folders import not_a_folder
 
 FORMAT = 1
 VERSIONED = ("torch", "compiled_mtp", "source")  # fields left out of the file name (see the module docstring)
@@ -62,15 +63,11 @@ class GraphCache:
         """Create the directory; None when this process can store graphs in it, else why not. A path
         that is a file, or lies under one, raises ValueError: that is a mistake, not a read-only cache."""
         locks = self.root / "locks"
+        why = not_a_folder(self.root, "cache_dir") or not_a_folder(locks, "cache_dir")
+        if why is not None:
+            raise ValueError(why)
         try:
             locks.mkdir(parents=True, exist_ok=True)
-        except (FileExistsError, NotADirectoryError):
-            file = next(d for d in (locks, self.root, *self.root.parents) if d.exists())
-            raise ValueError(
-                f"cache_dir: {self.root} is not a directory"
-                if file == self.root
-                else f"cache_dir: {self.root}: {file} is not a directory"
-            ) from None
         except OSError as e:
             return f"cannot create {locks} ({e.strerror})"
         if not all(os.access(d, os.W_OK | os.X_OK) for d in (self.root, locks)):

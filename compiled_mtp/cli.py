@@ -8,6 +8,7 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from . import bench
 from .capture import parallel
@@ -70,10 +71,12 @@ def _prompt_texts(args: argparse.Namespace) -> list[str]:
 def _engine_options(args: argparse.Namespace, profile: Profile | None) -> dict:
     """Runtime settings: a flag given on the command line, else the profile's, else ENGINE_DEFAULTS.
     With the profile's settings the runtime's graphs are the ones `capture` stored for it."""
-    options = (
+    options: dict[str, Any] = (
         profile.runtime_options() if profile else {"mtp_depth": 3, "batch_sizes": (1,), **ENGINE_DEFAULTS}
     )
     options |= {name: getattr(args, name) for name in ENGINE_DEFAULTS if getattr(args, name) is not None}
+    if "prefill_chunk" in options:  # the profile's, which a shorter --max-seq-len caps
+        options["prefill_chunk"] = min(options["prefill_chunk"], options["max_seq_len"])
     cache_dir = None if getattr(args, "no_cache", False) else args.cache_dir
     return options | {
         "compile_backend": getattr(args, "backend", "inductor"),

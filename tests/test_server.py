@@ -154,6 +154,13 @@ def test_greedy_completions_equal_generate(served, reference, stream):
         assert spec["draft_tokens"] >= spec["accepted_tokens"] >= 0 and spec["acceptance_length"] >= 1
 
 
+def test_a_request_without_a_model_goes_to_the_served_one(served, reference):
+    text, _ = expected(reference, PROMPTS[0], SamplingParams(max_new_tokens=8))
+    response = served.post("/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0})
+    assert response.status_code == 200, response.text
+    assert response.json()["model"] == MODEL and response.json()["choices"][0]["text"] == text
+
+
 def test_token_id_prompts_and_chat_use_the_template(served, reference, text_model):
     client = served.client()
     ids = reference.tokenizer.encode(PROMPTS[0])
@@ -299,7 +306,6 @@ def test_a_full_queue_answers_429(served, gate, monkeypatch):
 LONG = "word " * 200  # more tokens than max_seq_len (128)
 BAD = [
     ("/v1/completions", '{"model": "text", "prompt": ', None),
-    ("/v1/completions", {"prompt": "x"}, "model"),
     ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, "model"),
     ("/v1/completions", {"model": MODEL}, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 1}, "logprobs"),

@@ -76,7 +76,7 @@ def _server(request: Request) -> Server:
 def _params(server: Server, body: _Sampling) -> SamplingParams:
     """The request's SamplingParams with max_new_tokens 1, after the checks that are the API's own: the
     model's name, n and empty stop strings. Raises APIError."""
-    if body.model != server.model_name:
+    if body.model is not None and body.model != server.model_name:
         raise APIError(
             404,
             f"model: {body.model!r} is not served here; {server.model_name!r} is",

@@ -24,7 +24,7 @@ class StreamOptions(_Closed):
 class _Sampling(_Closed):
     """The fields both endpoints share. `top_k` is an extension (0 = no limit)."""
 
-    model: str
+    model: str | None = None  # as vLLM and SGLang: the served model when left out
     max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0

@@ -75,6 +75,10 @@ def _engine_options(args: argparse.Namespace, profile: Profile | None) -> dict:
         profile.runtime_options() if profile else {"mtp_depth": 3, "batch_sizes": (1,), **ENGINE_DEFAULTS}
     )
     options |= {name: getattr(args, name) for name in ENGINE_DEFAULTS if getattr(args, name) is not None}
+    if profile is None and args.max_seq_len is None:  # fewer where the checkpoint was trained on fewer
+        options["max_seq_len"] = min(
+            options["max_seq_len"], read_config(args.model / "config.json")[1].max_position_embeddings
+        )
     if "prefill_chunk" in options:  # the profile's, which a shorter --max-seq-len caps
         options["prefill_chunk"] = min(options["prefill_chunk"], options["max_seq_len"])
     cache_dir = None if getattr(args, "no_cache", False) else args.cache_dir
@@ -397,7 +401,8 @@ def _add_engine_options(p: argparse.ArgumentParser, backend: bool = True) -> Non
     p.add_argument(
         "--max-seq-len",
         type=int,
-        help=f"longest prompt + output (default: the profile's, else {ENGINE_DEFAULTS['max_seq_len']})",
+        help="longest prompt + output, at most the checkpoint's max_position_embeddings (default: the "
+        f"profile's, else {ENGINE_DEFAULTS['max_seq_len']} or max_position_embeddings, the fewer)",
     )
     p.add_argument(
         "--dtype",

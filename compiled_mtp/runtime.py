@@ -152,7 +152,7 @@ class Runtime:
         mtp_depth: int | str = 3,
         mtp_depths: Sequence[int] | None = None,
         batch_sizes: Sequence[int] = (1, 2, 4, 8),
-        max_seq_len: int = 2048,
+        max_seq_len: int | None = None,
         compile_backend: str = "inductor",
         passes: Sequence[str] | None = None,
         prefill_chunk: int | None = None,
@@ -165,9 +165,10 @@ class Runtime:
             raise ValueError(f"mtp_depth: must be >= 0, got {depths[0]}")
         if depths[-1] > 0 and model.num_mtp_layers == 0:
             raise ValueError(f"mtp_depth: {depths[-1]} needs MTP layers, but the model has none (use 0)")
-        buckets = sorted(set(batch_sizes))
+        buckets = sorted({_integer(b, "batch_sizes:") for b in batch_sizes})
         if not buckets or buckets[0] < 1:
             raise ValueError(f"batch_sizes: must be positive integers, got {list(batch_sizes)}")
+        max_seq_len = _max_seq_len(max_seq_len, model.cfg.max_position_embeddings)
         if prefill_chunk is None:  # 64 rows a prefill call, fewer when the cache is shorter
             prefill_chunk = min(64, max_seq_len)
         if not 1 <= prefill_chunk <= max_seq_len:
@@ -180,7 +181,7 @@ class Runtime:
         self.buckets = tuple(buckets)
         self.max_seq_len = max_seq_len
         self.prefill_chunk = prefill_chunk
-        self.state = StaticState(model, buckets[-1], max_seq_len, depths[-1])
+        self.state = _static_state(model, buckets[-1], max_seq_len, depths[-1])
         keys = tuple(graph_keys(self.buckets, self.depths))
         self.graphs = CompiledGraphs(
             model, self.state, compile_backend, None if passes is None else tuple(passes), cache_dir, keys
@@ -213,7 +214,7 @@ class Runtime:
         path: str | Path = "default",
         mtp_depth: int | str = 3,
         batch_sizes: Sequence[int] = (1, 2, 4, 8),
-        max_seq_len: int = 2048,
+        max_seq_len: int | None = None,
         dtype: str = "float32",
         device: str = "cpu",
         cache_dir: str | Path | bool | None = True,
@@ -227,7 +228,9 @@ class Runtime:
         captured depths (`mtp_depths`, default 0..3) from the graphs' measured cost and the running
         requests' acceptance (see depth_policy.py). `draft_vocab=N` drafts among the checkpoint's N
         most frequent tokens (its draft_vocab.json, from `compiled-mtp calibrate`): a cheaper draft
-        head, the same output (verification stays exact).
+        head, the same output (verification stays exact). `max_seq_len` (prompt and output, the
+        caches' positions a request) is at most the checkpoint's max_position_embeddings; by default
+        that or 2048, the fewer.
 
         Options: `mtp_depths` (extra depths to allow switching to), `compile_backend` ("inductor",
         "aot_eager" or "eager"), `passes` (names of the custom FX passes to run, of
@@ -245,7 +248,7 @@ class Runtime:
             path = DEFAULT_MODEL
         if cache_dir is True or cache_dir is False:
             cache_dir = user_cache() if cache_dir and torch.device(device).type == "cpu" else None
-        with_mtp = mtp_depth == "auto" or max({*(options.get("mtp_depths") or ()), mtp_depth}) > 0
+        with_mtp = max(_depths(mtp_depth, options.get("mtp_depths"), 1)) > 0
         model = load_model(path, dtype=DTYPES[dtype], device=device, with_mtp=with_mtp)
         if draft_vocab is not None:
             vocab = model.cfg.vocab_size
@@ -616,11 +619,39 @@ class Runtime:
 def _depths(mtp_depth: int | str, extra: Sequence[int] | None, mtp_layers: int) -> list[int]:
     """The captured depths: `mtp_depth` and `extra`; "auto" adds 0 and, by default, 1..3 when the model
     has MTP layers."""
+    extra = [_integer(k, "mtp_depths:") for k in extra or ()]
     if mtp_depth == "auto":
         return sorted({0, *(extra or (range(1, 4) if mtp_layers else ()))})
-    if not isinstance(mtp_depth, int):
+    if isinstance(mtp_depth, bool) or not isinstance(mtp_depth, int):
         raise ValueError(f"mtp_depth: must be an integer >= 0 or 'auto', got {mtp_depth!r}")
-    return sorted({*(extra or ()), mtp_depth})
+    return sorted({*extra, mtp_depth})
+
+
+def _max_seq_len(max_seq_len: int | None, positions: int) -> int:
+    """The cache's positions a request: at most the checkpoint's max_position_embeddings, whose rotary
+    embedding the model was trained for; by default that or 2048, the fewer."""
+    if max_seq_len is None:
+        return min(2048, positions)
+    n = _integer(max_seq_len, "max_seq_len:")
+    if not 1 <= n <= positions:
+        raise ValueError(
+            f"max_seq_len: must be in [1, {positions}] (the checkpoint's max_position_embeddings), got {n}"
+        )
+    return n
+
+
+def _static_state(model: CausalLM, slots: int, max_seq_len: int, max_depth: int) -> StaticState:
+    """The runtime's caches, or a ValueError naming the settings that size them where memory cannot
+    hold them."""
+    try:
+        return StaticState(model, slots, max_seq_len, max_depth)
+    except RuntimeError as e:  # torch.OutOfMemoryError on CUDA; on CPU, the allocator's own
+        if "allocate" not in str(e):
+            raise
+        raise ValueError(
+            f"max_seq_len: the caches of {slots} slots (the largest of batch_sizes) x {max_seq_len} positions "
+            f"do not fit in memory; lower max_seq_len or batch_sizes"
+        ) from None
 
 
 def acceptance_length(committed: int, request_steps: int) -> float:

@@ -454,6 +454,29 @@ def test_bad_depth_and_options(noisy_echo):
         runtime(noisy_echo, 1, compile_backend="tvm")
     with pytest.raises(ValueError, match=r"^batch_sizes: must be positive integers"):
         runtime(noisy_echo, 1, buckets=(0, 2))
+    with pytest.raises(ValueError, match=r"^batch_sizes: must be an integer, got str 'a'$"):
+        runtime(noisy_echo, 1, buckets=(2, "a"))
+    for where in (lambda: runtime(noisy_echo, "fast"), lambda: Runtime.from_pretrained(mtp_depth="fast")):
+        with pytest.raises(ValueError, match=r"^mtp_depth: must be an integer >= 0 or 'auto', got 'fast'$"):
+            where()
+    limit = noisy_echo.cfg.max_position_embeddings
+    for n in (0, limit + 1):
+        with pytest.raises(ValueError, match=rf"^max_seq_len: must be in \[1, {limit}\] \(the checkpoint's"):
+            runtime(noisy_echo, 1, max_seq_len=n)
+    assert Runtime(noisy_echo, mtp_depth=1, compile_backend="eager").max_seq_len == min(2048, limit)
+
+
+def test_caches_memory_cannot_hold_are_a_one_line_error(noisy_echo, monkeypatch):
+    def refused(*args, **kwargs):
+        raise RuntimeError(
+            "DefaultCPUAllocator: can't allocate memory: you tried to allocate 34560000000000 bytes"
+        )
+
+    monkeypatch.setattr("compiled_mtp.runtime.StaticState", refused)
+    with pytest.raises(
+        ValueError, match=r"^max_seq_len: the caches of 4 slots .* x 64 positions do not fit in memory"
+    ):
+        runtime(noisy_echo, 1)
 
 
 def test_more_requests_than_slots_queue(noisy_echo):

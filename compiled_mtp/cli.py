@@ -32,8 +32,8 @@ from .passes.manager import add_pass_switch, without
 from .runtime import MAX_SEED, RequestOutput, Runtime, SamplingParams
 from .tokenizer import Tokenizer
 
-# Engine settings when neither a flag nor a profile gives them.
-ENGINE_DEFAULTS = {"max_seq_len": 512, "dtype": "float32", "device": "cpu", "draft_vocab": None}
+# Engine settings when neither a flag nor a profile gives them (max_seq_len None: the runtime's default).
+ENGINE_DEFAULTS = {"max_seq_len": None, "dtype": "float32", "device": "cpu", "draft_vocab": None}
 
 
 def _graph_cache() -> Path:
@@ -75,10 +75,6 @@ def _engine_options(args: argparse.Namespace, profile: Profile | None) -> dict:
         profile.runtime_options() if profile else {"mtp_depth": 3, "batch_sizes": (1,), **ENGINE_DEFAULTS}
     )
     options |= {name: getattr(args, name) for name in ENGINE_DEFAULTS if getattr(args, name) is not None}
-    if profile is None and args.max_seq_len is None:  # fewer where the checkpoint was trained on fewer
-        options["max_seq_len"] = min(
-            options["max_seq_len"], read_config(args.model / "config.json")[1].max_position_embeddings
-        )
     if "prefill_chunk" in options:  # the profile's, which a shorter --max-seq-len caps
         options["prefill_chunk"] = min(options["prefill_chunk"], options["max_seq_len"])
     cache_dir = None if getattr(args, "no_cache", False) else args.cache_dir
@@ -402,7 +398,7 @@ def _add_engine_options(p: argparse.ArgumentParser, backend: bool = True) -> Non
         "--max-seq-len",
         type=int,
         help="longest prompt + output, at most the checkpoint's max_position_embeddings (default: the "
-        f"profile's, else {ENGINE_DEFAULTS['max_seq_len']} or max_position_embeddings, the fewer)",
+        "profile's, else max_position_embeddings or 2048, the fewer)",
     )
     p.add_argument(
         "--dtype",

@@ -248,7 +248,7 @@ class Runtime:
             path = DEFAULT_MODEL
         if cache_dir is True or cache_dir is False:
             cache_dir = user_cache() if cache_dir and torch.device(device).type == "cpu" else None
-        with_mtp = max(_depths(mtp_depth, options.get("mtp_depths"), 1)) > 0
+        with_mtp = max(_depths(mtp_depth, options.get("mtp_depths"), mtp_layers=1)) > 0  # as if it has them
         model = load_model(path, dtype=DTYPES[dtype], device=device, with_mtp=with_mtp)
         if draft_vocab is not None:
             vocab = model.cfg.vocab_size

@@ -8,7 +8,11 @@ largest bucket of N, so the static state holds N slots (a server's), whatever `-
 generation switches to depth K halfway (`--depth 0 --then 1`: the MTP layer's fill during the
 depth-0 steps and its catch-up at the switch, in one process).
 
+The runtime's host time per decode step (its Python between and around the graphs, over the timed
+rounds) is printed below the graphs.
+
     python benchmarks/graph_times.py [--depth 0] [--then 1] [--batch 4] [--slots 32] [--cache-dir DIR] [--rounds 3]
+                                     [--bfloat16-mlps]
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from compiled_mtp.bench import bench_prompts
 from compiled_mtp.capture.compiler import CompiledGraphs
 from compiled_mtp.depth_policy import depth_arg
 from compiled_mtp.graphs.plan import GraphKey
+from compiled_mtp.ops import library
 
 
 def main() -> None:
@@ -41,11 +46,14 @@ def main() -> None:
     parser.add_argument("--cache-dir", type=Path, default=None, help="capture cache (default: the user's)")
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens per prompt (default: 128)")
     parser.add_argument("--rounds", type=int, default=3, help="timed generations (default: 3)")
+    library.add_bfloat16_option(parser)
     args = parser.parse_args()
+    library.apply_bfloat16_option(args)
     rt = timed_runtime(args.depth, args.batch, args.slots, args.cache_dir)
     calls = timing_calls()
     prompts, params = timed_work(rt, args.batch, args.new_tokens)
     generate(rt, prompts, params, args.then)
+    rt.reset_stats()
     best: dict[str, float] = {}
     counts: dict[str, int] = {}
     for _ in range(args.rounds):
@@ -61,6 +69,9 @@ def main() -> None:
     )
     for name in sorted(best):
         print(f"  {name:<24}{best[name]:8.3f}  ({counts[name]} calls a generation)")
+    print(
+        f"  {'host, a decode step':<24}{1e3 * rt.stats()['host_seconds_per_step']:8.3f}  (mean over the rounds)"
+    )
 
 
 def timing_calls() -> dict[str, list[float]]:

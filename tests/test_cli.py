@@ -382,9 +382,7 @@ def test_random_checkpoint_then_generate_from_ids(tmp_path, capsys):
     assert lines[1].startswith("finish_reason=") and lines[2].startswith("  K=2: ")
 
 
-@pytest.mark.parametrize(
-    "max_seq_len", [64, 16]
-)  # 16: shorter than the profile's prefill chunk, which it caps
+@pytest.mark.parametrize("max_seq_len", [64, 16])  # 16: below the profile's prefill chunk, which it caps
 def test_generate_text_on_the_shipped_model(capsys, max_seq_len):
     prompt = "def add(a, b):\n"
     main(

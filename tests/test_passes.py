@@ -855,11 +855,9 @@ def test_small_loops_of_a_step_graph_run_on_one_thread():
 def test_command_line_switch(capsys):
     import argparse
 
-    from compiled_mtp import DEFAULT_MODEL
     from compiled_mtp.cli import _engine_options, main
 
     args = argparse.Namespace(
-        model=DEFAULT_MODEL,
         max_seq_len=None,
         dtype=None,
         device=None,
